@@ -1,0 +1,1 @@
+"""Hydra-configured DDP experiments."""

@@ -1,0 +1,368 @@
+"""Typed config schemas (registered in Hydra's ConfigStore) and cross-field validation.
+
+Every shipped group option's YAML starts with `defaults: [/schema/<group>/<option>@_here_]`, so
+a typo or a wrong type fails at composition and names the key. Rules that span several keys
+live in `validate()`, which runs before Hydra creates the run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake: one line naming the setting and the fix."""
+
+
+# --- models ---------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING
+    num_classes: int = "${data.num_classes}"  # type: ignore[assignment]
+    in_channels: int = "${data.in_channels}"  # type: ignore[assignment]
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    _target_: str = "framework.models.MLP"
+    image_size: int = "${data.image_size}"  # type: ignore[assignment]
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 128])
+
+
+@dataclass
+class CNNConfig(ModelConfig):
+    _target_: str = "framework.models.SmallCNN"
+    width: int = 32
+
+
+@dataclass
+class ResNet18Config(ModelConfig):
+    _target_: str = "framework.models.resnet18_cifar"
+
+
+# --- data -----------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    _target_: str = MISSING  # a function returning framework.data.Splits
+    batch_size: int = 32  # per rank; global batch = batch_size * world_size * grad_accum
+    eval_batch_size: int = 256
+    num_workers: int = 0
+    pin_memory: bool = True  # only takes effect on CUDA
+    persistent_workers: bool = True  # only takes effect with num_workers > 0
+    shuffle: bool = True
+    drop_last: bool = True  # training only; evaluation never drops or pads
+    in_channels: int = 3
+    image_size: int = 32
+    num_classes: int = 10
+
+
+@dataclass
+class DigitsConfig(DataConfig):
+    _target_: str = "framework.data.digits"
+    in_channels: int = 1
+    image_size: int = 8
+    val_fraction: float = 0.2
+    split_seed: int = 0
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    _target_: str = "framework.data.synthetic"
+    train_size: int = 2048
+    val_size: int = 512
+    seed: int = 0
+
+
+@dataclass
+class Cifar10Config(DataConfig):
+    _target_: str = "framework.data.cifar10"
+    root: str | None = None
+    download: bool = False
+    augment: bool = True
+
+
+# --- optimisation ---------------------------------------------------------------------------
+class LrScaling(StrEnum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+@dataclass
+class OptimizerConfig:
+    _target_: str = MISSING
+    _partial_: bool = True
+    lr: float = 0.1
+    weight_decay: float = 0.0
+    # lr is given for reference_batch_size; scale it to the actual global batch.
+    lr_scaling: LrScaling = LrScaling.none
+    reference_batch_size: int = 256
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    _target_: str = "torch.optim.SGD"
+    momentum: float = 0.9
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    _target_: str = "torch.optim.AdamW"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+@dataclass
+class SchedulerConfig:
+    _target_: str = MISSING
+    _partial_: bool = True
+
+
+@dataclass
+class ConstantSchedulerConfig(SchedulerConfig):
+    _target_: str = "framework.schedulers.constant"
+
+
+@dataclass
+class CosineSchedulerConfig(SchedulerConfig):
+    _target_: str = "framework.schedulers.cosine_with_warmup"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class StepSchedulerConfig(SchedulerConfig):
+    _target_: str = "framework.schedulers.step"
+    step_size: int = 100
+    gamma: float = 0.1
+
+
+# --- precision and communication ------------------------------------------------------------
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+
+
+@dataclass
+class CommConfig:
+    name: str = "allreduce"
+
+
+# --- launch, logging, trainer ---------------------------------------------------------------
+@dataclass
+class LauncherConfig:
+    name: str = MISSING
+    nproc_per_node: int = 2  # ranks started on this machine
+
+
+@dataclass
+class LocalLauncherConfig(LauncherConfig):
+    name: str = "local"
+
+
+@dataclass
+class TorchrunLauncherConfig(LauncherConfig):
+    """Workers started by torch.distributed's elastic agent (the engine behind `torchrun`)."""
+
+    name: str = "torchrun"
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = "localhost:0"  # host:port of node 0; port 0 picks a free one (1 node)
+    max_restarts: int = 0  # restart the whole group this many times after a worker dies
+    monitor_interval_s: float = 0.5
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    name: str = "wandb"
+    project: str = "framework"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    # auto: online when credentials exist (WANDB_API_KEY or `wandb login`), else offline.
+    mode: str = "auto"
+
+
+@dataclass
+class DDPConfig:
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 600.0
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int | None = None  # optimizer steps; whichever of max_steps/max_epochs ends first
+    max_epochs: int | None = 1
+    grad_accum: int = 1  # micro-batches per optimizer step
+    clip_grad_norm: float | None = None
+    eval_every: int = 0  # steps between evaluations; 0 = only at the end
+    log_every: int = 10  # steps between metric events
+    seed: int = 0
+    sync_batchnorm: bool = False
+    ema_decay: float | None = None  # e.g. 0.999; evaluation then uses the averaged weights
+    progress_bar: bool = True  # rank 0, only when stderr is a terminal
+
+
+@dataclass
+class Config:
+    model: Any = MISSING
+    data: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    precision: Any = MISSING
+    comm: Any = MISSING
+    launcher: Any = MISSING
+    logger: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config},
+    "data": {"digits": DigitsConfig, "synthetic": SyntheticConfig, "cifar10": Cifar10Config},
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
+    "scheduler": {
+        "constant": ConstantSchedulerConfig,
+        "cosine": CosineSchedulerConfig,
+        "step": StepSchedulerConfig,
+    },
+    "precision": {"base": PrecisionConfig},
+    "comm": {"base": CommConfig},
+    "launcher": {"local": LocalLauncherConfig, "torchrun": TorchrunLauncherConfig},
+    "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig},
+}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, options in SCHEMAS.items():
+        for name, schema in options.items():
+            cs.store(group=f"schema/{group}", name=name, node=schema)
+
+
+register_configs()
+
+
+# --- validation -----------------------------------------------------------------------------
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: DictConfig | dict) -> None:
+    """Check rules that span keys. Raises ConfigError with the setting and the fix."""
+    c = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    nproc = c.launcher.nproc_per_node
+    _require(
+        nproc >= 1,
+        f"launcher.nproc_per_node={nproc} is invalid: it must be >= 1 "
+        "(1 = one process, 2 = two local ranks, ...)",
+    )
+    t = c.trainer
+    _require(t.grad_accum >= 1, f"trainer.grad_accum={t.grad_accum} is invalid: must be >= 1")
+    _require(t.log_every >= 1, f"trainer.log_every={t.log_every} is invalid: must be >= 1")
+    _require(
+        t.eval_every >= 0, f"trainer.eval_every={t.eval_every} is invalid: use 0 (end only) or >= 1"
+    )
+    _require(
+        t.max_steps is not None or t.max_epochs is not None,
+        "trainer.max_steps and trainer.max_epochs are both null: set at least one",
+    )
+    _require(
+        t.max_steps is None or t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1"
+    )
+    _require(
+        t.max_epochs is None or t.max_epochs >= 1, f"trainer.max_epochs={t.max_epochs} must be >= 1"
+    )
+    _require(
+        t.clip_grad_norm is None or t.clip_grad_norm > 0,
+        f"trainer.clip_grad_norm={t.clip_grad_norm} must be > 0 (or null to disable clipping)",
+    )
+    _require(
+        t.ema_decay is None or 0.0 < t.ema_decay < 1.0,
+        f"trainer.ema_decay={t.ema_decay} must be in (0, 1), e.g. 0.999 (or null to disable)",
+    )
+    _require(c.data.batch_size >= 1, f"data.batch_size={c.data.batch_size} must be >= 1")
+    _require(c.data.num_workers >= 0, f"data.num_workers={c.data.num_workers} must be >= 0")
+    _require(c.optimizer.lr > 0, f"optimizer.lr={c.optimizer.lr} must be > 0")
+    _require(
+        c.dist.backend in ("auto", "gloo", "nccl"),
+        f"dist.backend={c.dist.backend!r} is invalid: choose auto, gloo or nccl",
+    )
+    _require(c.dist.timeout_s > 0, f"dist.timeout_s={c.dist.timeout_s} must be > 0")
+    if c.launcher.name == "torchrun":
+        _require(c.launcher.nnodes >= 1, f"launcher.nnodes={c.launcher.nnodes} must be >= 1")
+        _require(
+            c.launcher.max_restarts >= 0,
+            f"launcher.max_restarts={c.launcher.max_restarts} must be >= 0",
+        )
+    if "root" in c.data and not c.data.get("download", False):
+        _validate_data_root(c.data.root)
+    if c.logger.name == "wandb":
+        _require(
+            c.logger.mode in ("auto", "online", "offline", "disabled"),
+            f"logger.mode={c.logger.mode!r} is invalid: choose auto, online, offline or disabled",
+        )
+
+
+def _validate_data_root(root: str | None) -> None:
+    fix = "set data.root=/path/to/cifar-10-batches-py (or data.download=true with internet access)"
+    _require(root is not None, f"data.root is not set: {fix}")
+    path = Path(root).expanduser()
+    _require(path.is_dir(), f"data.root={root} is not a directory: {fix}")
+    folder = path if (path / "data_batch_1").exists() else path / "cifar-10-batches-py"
+    _require(
+        (folder / "data_batch_1").exists() and (folder / "test_batch").exists(),
+        f"data.root={root} holds no CIFAR-10 python batches (data_batch_1 ... test_batch): {fix}",
+    )
+
+
+def exit_with(error: Exception, code: int = 2) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+class ValidateBeforeRun(Callback):
+    """Hydra callback: reject a bad config before Hydra creates or writes any output dir."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config)
+
+    @staticmethod
+    def _check(config: DictConfig) -> None:
+        try:
+            validate(config)
+        except ConfigError as error:
+            if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 says it once
+                raise SystemExit(2) from None
+            exit_with(error)

@@ -1,0 +1,153 @@
+"""Datasets (digits, synthetic, CIFAR-10 folder) and the per-rank loaders that feed DDP.
+
+A data option's `_target_` is a function returning `Splits`; any function with that shape works,
+so bringing your own dataset is one YAML file pointing at it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torchvision
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torchvision import transforms
+
+from framework.distributed import DistEnv
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: Dataset
+    val: Dataset
+
+
+def digits(val_fraction: float = 0.2, split_seed: int = 0, **_: object) -> Splits:
+    """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    images = (images - 0.5) / 0.5
+    labels = torch.tensor(bunch.target, dtype=torch.long)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
+    val_count = round(len(labels) * val_fraction)
+    val_idx, train_idx = order[:val_count], order[val_count:]
+    return Splits(
+        train=TensorDataset(images[train_idx], labels[train_idx]),
+        val=TensorDataset(images[val_idx], labels[val_idx]),
+    )
+
+
+def synthetic(
+    train_size: int = 2048,
+    val_size: int = 512,
+    in_channels: int = 3,
+    image_size: int = 32,
+    num_classes: int = 10,
+    seed: int = 0,
+    **_: object,
+) -> Splits:
+    """Random CIFAR-shaped images; labels come from a fixed random projection, so they are
+    learnable and losses fall, which keeps tests that compare runs meaningful."""
+    generator = torch.Generator().manual_seed(seed)
+    total = train_size + val_size
+    images = torch.randn(total, in_channels, image_size, image_size, generator=generator)
+    projection = torch.randn(
+        in_channels * image_size * image_size, num_classes, generator=generator
+    )
+    labels = (images.flatten(1) @ projection).argmax(dim=1)
+    return Splits(
+        train=TensorDataset(images[:train_size], labels[:train_size]),
+        val=TensorDataset(images[train_size:], labels[train_size:]),
+    )
+
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+class _CifarFolder(torchvision.datasets.CIFAR10):
+    """torchvision's reader for the python-pickle batches, without its md5 check, so a local
+    copy (or a small file in the same format) is read as it is."""
+
+    def _check_integrity(self) -> bool:
+        folder = Path(self.root) / self.base_folder
+        return all((folder / name).exists() for name, _ in self.train_list + self.test_list)
+
+
+def cifar10(root: str | None, download: bool = False, augment: bool = True, **_: object) -> Splits:
+    """CIFAR-10 from a local folder in torchvision's layout (`cifar-10-batches-py`)."""
+    path = Path(root or "data").expanduser()
+    if path.name == "cifar-10-batches-py":  # accept the batches folder itself
+        path = path.parent
+    normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+    train_tf = normalize
+    if augment:
+        train_tf = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
+        train_tf += normalize
+    dataset = torchvision.datasets.CIFAR10 if download else _CifarFolder
+    return Splits(
+        train=dataset(
+            str(path), train=True, download=download, transform=transforms.Compose(train_tf)
+        ),
+        val=dataset(
+            str(path), train=False, download=False, transform=transforms.Compose(normalize)
+        ),
+    )
+
+
+class ShardSampler(Sampler[int]):
+    """Evaluation shard: indices rank, rank+W, ... with no padding and no duplicates, so
+    summed metrics over ranks equal the single-process ones exactly."""
+
+    def __init__(self, length: int, rank: int, world_size: int) -> None:
+        self.indices = range(rank, length, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _loader_options(data_cfg, device: torch.device) -> dict:
+    workers = data_cfg["num_workers"]
+    return {
+        "num_workers": workers,
+        "pin_memory": bool(data_cfg["pin_memory"]) and device.type == "cuda",
+        "persistent_workers": bool(data_cfg["persistent_workers"]) and workers > 0,
+    }
+
+
+def train_loader(
+    dataset: Dataset, data_cfg, env: DistEnv, seed: int, device: torch.device
+) -> tuple[DataLoader, DistributedSampler]:
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=env.world_size,
+        rank=env.rank,
+        shuffle=data_cfg["shuffle"],
+        seed=seed,
+        drop_last=data_cfg["drop_last"],
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=data_cfg["batch_size"],
+        sampler=sampler,
+        drop_last=data_cfg["drop_last"],
+        # A dedicated generator keeps loader construction off the global RNG stream.
+        generator=torch.Generator().manual_seed(seed + env.rank),
+        **_loader_options(data_cfg, device),
+    )
+    return loader, sampler
+
+
+def eval_loader(dataset: Dataset, data_cfg, env: DistEnv, device: torch.device) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=data_cfg["eval_batch_size"],
+        sampler=ShardSampler(len(dataset), env.rank, env.world_size),
+        **_loader_options(data_cfg, device),
+    )

@@ -1,0 +1,125 @@
+"""Start the ranks of one run from the process Hydra started.
+
+Workers receive the already-resolved config and the run directory; they never compose a
+config again. `local` spawns processes itself; `torchrun` hands them to torch's elastic agent
+(what the `torchrun` command runs), which adds restarts and multi-node rendezvous.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig
+
+from framework.config import ConfigError
+from framework.distributed import DistEnv
+from framework.train import run
+
+log = logging.getLogger("framework")
+
+
+def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Run cfg with cfg.launcher; returns rank 0's summary."""
+    nproc = cfg.launcher.nproc_per_node
+    if cfg.launcher.name == "torchrun":
+        _launch_elastic(cfg, run_dir)
+    elif nproc == 1:
+        return run(cfg, run_dir, DistEnv())
+    else:
+        _launch_local(cfg, run_dir, nproc)
+    summary_file = run_dir / "summary.json"
+    return json.loads(summary_file.read_text()) if summary_file.exists() else None
+
+
+# --- launcher=local: torch.multiprocessing spawn, rendezvous on a store this process hosts ----
+def _launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
+    # Port 0: the OS picks a free port, so concurrent runs and tests never collide.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        mp.start_processes(
+            _local_worker,
+            args=(cfg, run_dir, store.port, nproc),
+            nprocs=nproc,
+            join=True,
+            start_method="spawn",
+        )
+    except mp.ProcessExitedException as error:
+        raise WorkerFailed(f"rank {error.error_index} exited with code {error.exit_code}") from None
+    except mp.ProcessRaisedException as error:
+        print(str(error), file=sys.stderr)  # the worker's traceback: a bug, show it
+        raise WorkerFailed(
+            f"rank {error.error_index} raised an exception (traceback above)"
+        ) from None
+
+
+def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int) -> None:
+    env = DistEnv(
+        rank=local_rank, local_rank=local_rank, world_size=nproc, local_world_size=nproc,
+        source="local",
+    )  # fmt: skip
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_timeout(cfg))
+    _run_reporting_config_errors(cfg, run_dir, env, store)
+
+
+def _run_reporting_config_errors(cfg, run_dir, env, store=None) -> None:
+    try:
+        run(cfg, run_dir, env, store)
+    except ConfigError as error:
+        if env.is_main:
+            print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _timeout(cfg: DictConfig):
+    from datetime import timedelta
+
+    return timedelta(seconds=cfg.dist.timeout_s)
+
+
+# --- launcher=torchrun: torch.distributed's elastic agent, in this process ---------------------
+def _launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launcher = cfg.launcher
+    # Restarted rounds re-create the store; sharing torchrun's store made gloo reconnects flaky.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    config = LaunchConfig(
+        min_nodes=launcher.nnodes,
+        max_nodes=launcher.nnodes,
+        nproc_per_node=launcher.nproc_per_node,
+        run_id=run_dir.name + "-" + uuid.uuid4().hex[:8] if launcher.nnodes == 1 else run_dir.name,
+        rdzv_backend="c10d",
+        rdzv_endpoint=launcher.rdzv_endpoint,
+        rdzv_configs={"rank": launcher.node_rank} if launcher.nnodes > 1 else {},
+        max_restarts=launcher.max_restarts,
+        monitor_interval=launcher.monitor_interval_s,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, _elastic_worker)(cfg, run_dir)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        raise WorkerFailed(f"rank {rank} failed with exit code {failure.exitcode}") from None
+
+
+def _elastic_worker(cfg: DictConfig, run_dir: Path) -> None:
+    env = DistEnv.from_environ()
+    # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra.
+    env = DistEnv(
+        rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
+        local_world_size=env.local_world_size, source="elastic",
+    )  # fmt: skip
+    _run_reporting_config_errors(cfg, run_dir, env)
+
+
+class WorkerFailed(RuntimeError):
+    """A rank died; its own output above says why."""

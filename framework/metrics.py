@@ -1,0 +1,141 @@
+"""Metric sinks. Rank 0 gets console + JSONL (+ W&B); every other rank gets a null sink,
+so the loop never asks which rank it is on."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger("framework")
+
+
+class MetricSink(Protocol):
+    def log(self, metrics: dict[str, Any]) -> None: ...
+    def summary(self, summary: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullSink:
+    def log(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class ConsoleSink(NullSink):
+    def log(self, metrics: dict[str, Any]) -> None:
+        log.info("  ".join(f"{key}={_format(value)}" for key, value in metrics.items()))
+
+
+class JsonlSink(NullSink):
+    """metrics.jsonl: one JSON object per event; summary.json at the end."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (lives with the sink)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+class WandbSink(NullSink):
+    """One W&B run per job, created on rank 0 only; offline without credentials."""
+
+    def __init__(self, cfg: dict, run_dir: Path, config: dict) -> None:
+        import wandb  # imported here: costs ~1 s and only rank 0 with logger=wandb needs it
+
+        mode = os.environ.get("WANDB_MODE") or cfg["mode"]
+        if mode == "auto":
+            mode = "online" if wandb_has_credentials() else "offline"
+        self.run = wandb.init(
+            project=cfg["project"],
+            entity=cfg["entity"],
+            group=cfg["group"],
+            tags=list(cfg["tags"]),
+            name=run_dir.name,
+            dir=str(run_dir),
+            config=config,
+            mode=mode,
+        )
+        if mode == "offline":
+            log.info(
+                "W&B is offline (no credentials found); upload later with: wandb sync %s",
+                Path(self.run.dir).parent,
+            )
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.run.log(metrics, step=metrics.get("step"))
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update(summary)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class FanOut(NullSink):
+    def __init__(self, sinks: list[MetricSink]) -> None:
+        self.sinks = sinks
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(metrics)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.summary(summary)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def build_sink(is_main: bool, logger_cfg: dict, run_dir: Path, config: dict) -> MetricSink:
+    if not is_main:
+        return NullSink()
+    sinks: list[MetricSink] = [ConsoleSink(), JsonlSink(run_dir)]
+    if logger_cfg["name"] == "wandb":
+        sinks.append(WandbSink(logger_cfg, run_dir, config))
+    return FanOut(sinks)
+
+
+def setup_logging(is_main: bool, rank: int, run_dir: Path | None) -> None:
+    """Rank 0: INFO to the console and to run_dir/train.log. Other ranks: warnings only."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    fmt = logging.Formatter(f"[%(asctime)s][rank {rank}] %(message)s", datefmt="%H:%M:%S")
+    console = logging.StreamHandler()
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    root.setLevel(logging.INFO if is_main else logging.WARNING)
+    if is_main and run_dir is not None:
+        file_handler = logging.FileHandler(run_dir / "train.log")
+        file_handler.setFormatter(fmt)
+        root.addHandler(file_handler)

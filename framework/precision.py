@@ -1,0 +1,121 @@
+"""Numeric precision as one small object: forward context, backward, optimizer step, state.
+
+fp32: plain. bf16: autocast to bfloat16, no scaling (bf16 has fp32's exponent range).
+amp: autocast to float16 with a dynamically scaled loss (GradScaler); gradients are unscaled
+before clipping and a step with inf/NaN gradients is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+
+class Precision:
+    """fp32: the reference; subclasses change only what differs."""
+
+    name = "fp32"
+
+    def __init__(self, device: torch.device, **_: Any) -> None:
+        self.device = device
+        self.skipped_steps = 0
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(
+        self, optimizer: Optimizer, params: Iterable[torch.Tensor], clip_grad_norm: float | None
+    ) -> None:
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        optimizer.step()
+
+    def metrics(self) -> dict[str, float]:
+        """Host-side numbers for a log event (called only when logging)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_steps = state.get("skipped_steps", 0)
+
+
+class BF16(Precision):
+    name = "bf16"
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+
+class AMP(Precision):
+    name = "amp"
+
+    def __init__(
+        self,
+        device: torch.device,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        **_: Any,
+    ) -> None:
+        super().__init__(device)
+        self.scaler = torch.amp.GradScaler(
+            device.type,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+        )
+        self._skipped = torch.zeros((), dtype=torch.long, device=device)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.float16)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def step(
+        self, optimizer: Optimizer, params: Iterable[torch.Tensor], clip_grad_norm: float | None
+    ) -> None:
+        self.scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        # update() shrinks the scale exactly when it skipped the step for inf/NaN gradients.
+        # Compared on device (GradScaler has no public async getter): no per-step host sync.
+        scale_before = self.scaler._get_scale_async().clone()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        self._skipped += (self.scaler._get_scale_async() < scale_before).long()
+
+    def metrics(self) -> dict[str, float]:
+        self.skipped_steps = int(self._skipped.item())
+        return {"amp/loss_scale": self.scaler.get_scale(), "amp/skipped_steps": self.skipped_steps}
+
+    def state_dict(self) -> dict[str, Any]:
+        self.skipped_steps = int(self._skipped.item())
+        return {"skipped_steps": self.skipped_steps, "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._skipped.fill_(self.skipped_steps)
+        self.scaler.load_state_dict(state["scaler"])
+
+
+PRECISIONS: dict[str, type[Precision]] = {"fp32": Precision, "bf16": BF16, "amp": AMP}
+
+
+def build_precision(cfg: dict, device: torch.device) -> Precision:
+    options = dict(cfg)
+    name = options.pop("name")
+    if name not in PRECISIONS:
+        raise ValueError(f"precision={name} is unknown: choose one of {sorted(PRECISIONS)}")
+    return PRECISIONS[name](device, **options)

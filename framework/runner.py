@@ -1,0 +1,239 @@
+"""The one training loop: fit() -> train_step() / evaluate() -> metric sinks."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from framework.comm import Comm
+from framework.distributed import DistEnv, all_reduce_sum
+from framework.metrics import MetricSink
+from framework.precision import Precision
+
+log = logging.getLogger("framework")
+
+
+@dataclass
+class TrainState:
+    """Everything that advances as training goes; small and explicit."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_seen: int = 0
+    train_seconds: float = 0.0
+
+
+def micro_batch_groups(loader: Iterable, size: int) -> Iterator[list]:
+    """Consecutive groups of `size` micro-batches; a short tail group is dropped."""
+    iterator = iter(loader)
+    while len(group := list(itertools.islice(iterator, size))) == size:
+        yield group
+
+
+class Runner:
+    def __init__(
+        self,
+        *,
+        env: DistEnv,
+        device: torch.device,
+        model: nn.Module,  # what forward/backward run on (DDP-wrapped when distributed)
+        module: nn.Module,  # the bare model under it
+        optimizer: Optimizer,
+        scheduler: LRScheduler,
+        precision: Precision,
+        comm: Comm,
+        train_loader: DataLoader,
+        train_sampler: DistributedSampler,
+        val_loader: DataLoader,
+        sink: MetricSink,
+        trainer_cfg: Any,
+        global_batch_size: int,
+        ema: AveragedModel | None = None,
+    ) -> None:
+        self.env, self.device = env, device
+        self.model, self.module, self.ema = model, module, ema
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.precision, self.comm = precision, comm
+        self.train_loader, self.train_sampler, self.val_loader = (
+            train_loader,
+            train_sampler,
+            val_loader,
+        )
+        self.sink, self.cfg = sink, trainer_cfg
+        self.global_batch_size = global_batch_size
+        self.steps_per_epoch = len(train_loader) // trainer_cfg.grad_accum
+        self.total_steps = planned_steps(trainer_cfg, self.steps_per_epoch)
+        self.state = TrainState()
+
+    # --- the loop ---------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        progress = tqdm(
+            total=self.total_steps,
+            desc="train",
+            disable=not (self.env.is_main and self.cfg.progress_bar and sys.stderr.isatty()),
+        )
+        window = _Window(self.device)
+        while not self.finished():
+            self.train_sampler.set_epoch(self.state.epoch)  # a new shuffle, same on every rank
+            for micro_batches in micro_batch_groups(self.train_loader, self.cfg.grad_accum):
+                lr = self.optimizer.param_groups[0]["lr"]
+                window.add(self.train_step(micro_batches))
+                self.state.step += 1
+                progress.update()
+                if self.state.step % self.cfg.log_every == 0 or self.finished():
+                    self.log_train(window, lr)
+                if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0:
+                    window.pause()
+                    self.log_eval()
+                    window.resume()
+                if self.finished():
+                    break
+            else:
+                self.state.epoch += 1
+        progress.close()
+        self.state.train_seconds += window.close()
+        final = self.evaluate()
+        return self.summary(final, wall_s=time.perf_counter() - started)
+
+    def train_step(self, micro_batches: list) -> torch.Tensor:
+        """One optimizer step over grad_accum micro-batches; returns the mean loss (on device)."""
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        last = len(micro_batches) - 1
+        for index, (inputs, targets) in enumerate(micro_batches):
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            # Only the last micro-batch synchronises gradients; the others accumulate locally.
+            sync = index == last or not self.env.distributed
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                with self.precision.forward_context():
+                    loss = F.cross_entropy(self.model(inputs), targets)
+                self.precision.backward(loss / len(micro_batches))
+            loss_sum += loss.detach().float()
+        self.precision.step(self.optimizer, self.module.parameters(), self.cfg.clip_grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update_parameters(self.module)
+        self.state.samples_seen += self.global_batch_size
+        return loss_sum / len(micro_batches)
+
+    def epochs_done(self) -> float:
+        return round(self.state.step / max(self.steps_per_epoch, 1), 4)
+
+    def finished(self) -> bool:
+        return self.state.step >= self.total_steps
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss and accuracy, summed over every rank's shard (no padding)."""
+        model = self.ema.module if self.ema is not None else self.module
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, count
+        for inputs, targets in self.val_loader:
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            with self.precision.forward_context():
+                logits = model(inputs).float()
+            totals[0] += F.cross_entropy(logits, targets, reduction="sum").double()
+            totals[1] += (logits.argmax(dim=1) == targets).sum()
+            totals[2] += targets.numel()
+        loss_sum, correct, count = all_reduce_sum(totals).tolist()
+        return {"val/loss": loss_sum / max(count, 1), "val/accuracy": correct / max(count, 1)}
+
+    # --- sinks ------------------------------------------------------------------------------
+    def log_train(self, window: _Window, lr: float) -> None:
+        # The one host sync of a logging step: reduce the window's loss over all ranks.
+        mean_loss = all_reduce_sum(window.loss_sum.clone()).item() / (
+            window.steps * self.env.world_size
+        )
+        steps, seconds = window.steps, window.close()
+        self.state.train_seconds += seconds
+        event = {
+            "step": self.state.step,
+            "epoch": self.epochs_done(),
+            "train/loss": mean_loss,
+            "lr": lr,
+            "samples_per_s": steps * self.global_batch_size / max(seconds, 1e-9),
+            **self.precision.metrics(),
+            **self.comm.metrics(),
+        }
+        self.sink.log(event)
+
+    def log_eval(self) -> dict[str, float]:
+        metrics = self.evaluate()
+        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
+        return metrics
+
+    def summary(self, final: dict[str, float], wall_s: float) -> dict[str, Any]:
+        summary = {
+            **final,
+            "steps": self.state.step,
+            "epochs": self.epochs_done(),
+            "world_size": self.env.world_size,
+            "global_batch_size": self.global_batch_size,
+            "samples_per_s": self.state.samples_seen / max(self.state.train_seconds, 1e-9),
+            "wall_s": wall_s,
+            **self.precision.metrics(),
+            **self.comm.metrics(),
+        }
+        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **final})
+        self.sink.summary(summary)
+        return summary
+
+
+class _Window:
+    """Loss and training time since the last log event; the loss stays on device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss_sum = torch.zeros((), device=device)
+        self.steps = 0
+        self.seconds = 0.0
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+
+    def pause(self) -> None:
+        """Stop the clock (evaluation time is not training time)."""
+        self.seconds += time.perf_counter() - self.started
+
+    def resume(self) -> None:
+        self.started = time.perf_counter()
+
+    def close(self) -> float:
+        """Training seconds in this window; starts the next one."""
+        self.pause()
+        seconds = self.seconds
+        self.loss_sum.zero_()
+        self.steps, self.seconds = 0, 0.0
+        self.resume()
+        return seconds
+
+
+def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:
+    """Optimizer steps until max_steps or max_epochs, whichever comes first."""
+    limits = []
+    if trainer_cfg.max_steps is not None:
+        limits.append(trainer_cfg.max_steps)
+    if trainer_cfg.max_epochs is not None:
+        limits.append(trainer_cfg.max_epochs * steps_per_epoch)
+    return max(0, min(limits)) if limits else math.inf
