@@ -23,6 +23,10 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake: one line naming the setting and the fix."""
 
 
+class ReportedConfigError(ConfigError):
+    """A rank rejected the config and already printed why (exit code 2)."""
+
+
 # --- models ---------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
@@ -345,7 +349,8 @@ def _validate_data_root(root: str | None) -> None:
 
 
 def exit_with(error: Exception, code: int = 2) -> None:
-    print(f"error: {error}", file=sys.stderr)
+    if not isinstance(error, ReportedConfigError):
+        print(f"error: {error}", file=sys.stderr)
     raise SystemExit(code)
 
 
@@ -354,6 +359,14 @@ class ValidateBeforeRun(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)
+        run_dir = Path(config.hydra.run.dir)
+        if any((run_dir / name).exists() for name in ("metrics.jsonl", "summary.json")):
+            exit_with(
+                ConfigError(
+                    f"hydra.run.dir={run_dir} already holds a run; it is left untouched. "
+                    "Choose a new hydra.run.dir (or leave it unset for a fresh timestamped dir)"
+                )
+            )
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig
 
-from framework.config import ConfigError
+from framework.config import ConfigError, ReportedConfigError
 from framework.distributed import DistEnv
 from framework.train import run
 
@@ -52,12 +53,7 @@ def _launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
             start_method="spawn",
         )
     except mp.ProcessExitedException as error:
-        raise WorkerFailed(f"rank {error.error_index} exited with code {error.exit_code}") from None
-    except mp.ProcessRaisedException as error:
-        print(str(error), file=sys.stderr)  # the worker's traceback: a bug, show it
-        raise WorkerFailed(
-            f"rank {error.error_index} raised an exception (traceback above)"
-        ) from None
+        _raise_worker_failure(error.error_index, error.exit_code)
 
 
 def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int) -> None:
@@ -69,13 +65,29 @@ def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, np
     _run_reporting_config_errors(cfg, run_dir, env, store)
 
 
+CONFIG_REJECTED = 2  # a worker's exit code for "the config is wrong, message printed"
+
+
 def _run_reporting_config_errors(cfg, run_dir, env, store=None) -> None:
+    """Each worker reports its own failure: when rank 0 dies, the launcher would otherwise
+    show only another rank's "connection closed by peer"."""
     try:
         run(cfg, run_dir, env, store)
     except ConfigError as error:
         if env.is_main:
             print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(CONFIG_REJECTED) from None
+    except Exception:
+        print(f"rank {env.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def _raise_worker_failure(rank: int, exit_code: int) -> None:
+    if exit_code == CONFIG_REJECTED:
+        raise ReportedConfigError(f"rank {rank} rejected the config") from None
+    raise WorkerFailed(
+        f"rank {rank} failed with exit code {exit_code} (its output is above)"
+    ) from None
 
 
 def _timeout(cfg: DictConfig):
@@ -108,7 +120,7 @@ def _launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         elastic_launch(config, _elastic_worker)(cfg, run_dir)
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
-        raise WorkerFailed(f"rank {rank} failed with exit code {failure.exitcode}") from None
+        _raise_worker_failure(rank, failure.exitcode)
 
 
 def _elastic_worker(cfg: DictConfig, run_dir: Path) -> None:

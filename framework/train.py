@@ -108,6 +108,11 @@ def _train(
     log.info("Instantiating model <%s>", cfg.model._target_)
     module = instantiate(cfg.model)
     if t.sync_batchnorm and env.distributed:
+        if device.type != "cuda":
+            raise ConfigError(
+                "trainer.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm is "
+                "GPU-only): set trainer.sync_batchnorm=false on CPU"
+            )
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     module = module.to(device)
     model = wrap_ddp(module, device, cfg.dist.ddp) if env.distributed else module

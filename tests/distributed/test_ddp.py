@@ -1,0 +1,108 @@
+"""Real 2-rank gloo jobs on CPU, compared against 1-rank runs of the same experiment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import TINY, make_cfg, read_metrics, train_in_process, train_losses
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+# fp32/allreduce, no BatchNorm or dropout: the conditions under which DDP is exact.
+PARITY = (*TINY, "model=mlp", "optimizer=sgd", "scheduler=constant", "trainer.max_steps=12")
+
+
+def run(tmp_path, name: str, *overrides: str) -> tuple[dict, list[float]]:
+    run_dir = tmp_path / name
+    summary = train_in_process(make_cfg(*PARITY, *overrides), run_dir)
+    return summary, train_losses(run_dir)
+
+
+def test_two_ranks_at_batch_b_match_one_rank_at_batch_2b(tmp_path):
+    _, two_ranks = run(tmp_path, "ddp", "launcher.nproc_per_node=2", "data.batch_size=8")
+    _, one_rank = run(tmp_path, "single", "launcher.nproc_per_node=1", "data.batch_size=16")
+    assert len(two_ranks) == len(one_rank) == 12
+    torch.testing.assert_close(two_ranks, one_rank, rtol=1e-5, atol=0)
+
+
+def test_grad_accumulation_matches_the_larger_batch(tmp_path):
+    _, accum = run(tmp_path, "accum", "launcher.nproc_per_node=1", "data.batch_size=8",
+                   "trainer.grad_accum=2")  # fmt: skip
+    _, big = run(tmp_path, "big", "launcher.nproc_per_node=1", "data.batch_size=16")
+    torch.testing.assert_close(accum, big, rtol=1e-5, atol=0)
+
+
+def test_two_rank_accumulation_matches_one_rank_batch_4b(tmp_path):
+    _, ddp = run(tmp_path, "ddp_accum", "launcher.nproc_per_node=2", "data.batch_size=4",
+                 "trainer.grad_accum=2")  # fmt: skip
+    _, big = run(tmp_path, "big", "launcher.nproc_per_node=1", "data.batch_size=16")
+    torch.testing.assert_close(ddp, big, rtol=1e-5, atol=0)
+
+
+def test_two_rank_evaluation_equals_one_rank_on_an_odd_sized_val_set(tmp_path):
+    # 101 validation samples: rank 0 gets 51, rank 1 gets 50; no sample counted twice.
+    two, _ = run(tmp_path, "ddp", "launcher.nproc_per_node=2", "data.batch_size=8")
+    one, _ = run(tmp_path, "single", "launcher.nproc_per_node=1", "data.batch_size=16")
+    assert two["val/accuracy"] == one["val/accuracy"]
+    assert two["val/accuracy"] * 101 == pytest.approx(round(two["val/accuracy"] * 101))
+    assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
+
+
+def test_same_seed_same_world_size_gives_identical_losses(tmp_path):
+    overrides = ("model=cnn", "launcher.nproc_per_node=2", "trainer.max_steps=8")
+    _, first = run(tmp_path, "a", *overrides)
+    _, second = run(tmp_path, "b", *overrides)
+    assert first == second
+    _, other_seed = run(tmp_path, "c", *overrides, "trainer.seed=1")
+    assert other_seed != first
+
+
+def test_summary_and_metrics_have_the_contract_keys(tmp_path):
+    summary, _ = run(tmp_path, "ddp", "launcher.nproc_per_node=2", "data.batch_size=8",
+                     "trainer.grad_accum=2", "trainer.log_every=4")  # fmt: skip
+    events = read_metrics(tmp_path / "ddp")
+    train_events = [e for e in events if "train/loss" in e]
+    assert [e["step"] for e in train_events] == [4, 8, 12]
+    for key in ("step", "epoch", "train/loss", "lr", "samples_per_s"):
+        assert all(key in e for e in train_events), key
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 32
+    assert summary["steps"] == 12
+    for key in ("val/loss", "val/accuracy", "samples_per_s", "wall_s"):
+        assert key in summary
+    config = (tmp_path / "ddp" / "config.yaml").read_text()
+    assert "${" not in config and "batch_size: 8" in config  # fully resolved
+
+
+def test_ema_clipping_and_ddp_options_run_together(tmp_path):
+    summary, losses = run(
+        tmp_path, "options", "model=resnet18", "data.image_size=8", "data.in_channels=3",
+        "launcher.nproc_per_node=2", "data.batch_size=4", "trainer.max_steps=3",
+        "trainer.ema_decay=0.9", "trainer.clip_grad_norm=1.0", "dist.ddp.bucket_cap_mb=1",
+        "dist.ddp.static_graph=true", "dist.ddp.gradient_as_bucket_view=false",
+    )  # fmt: skip
+    assert summary["steps"] == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_ema_changes_what_is_evaluated(tmp_path):
+    plain, _ = run(tmp_path, "plain", "launcher.nproc_per_node=1", "data.batch_size=16")
+    ema, _ = run(tmp_path, "ema", "launcher.nproc_per_node=1", "data.batch_size=16",
+                 "trainer.ema_decay=0.5")  # fmt: skip
+    assert ema["val/loss"] != plain["val/loss"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; CUDA runs SyncBatchNorm")
+def test_sync_batchnorm_on_cpu_is_refused_with_the_fix(tmp_path, capfd):
+    from framework.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        run(tmp_path, "sbn", "model=resnet18", "data.in_channels=3", "launcher.nproc_per_node=2",
+            "data.batch_size=4", "trainer.max_steps=1", "trainer.sync_batchnorm=true")  # fmt: skip
+    assert "trainer.sync_batchnorm=false" in capfd.readouterr().err
+
+
+def test_torchrun_launcher_starts_ranks_through_the_elastic_agent(tmp_path):
+    _, elastic = run(tmp_path, "elastic", "launcher=torchrun", "launcher.nproc_per_node=2",
+                     "data.batch_size=8")  # fmt: skip
+    _, local = run(tmp_path, "local", "launcher.nproc_per_node=2", "data.batch_size=8")
+    assert elastic == local

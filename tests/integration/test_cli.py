@@ -1,0 +1,145 @@
+"""The app as users run it: a process per command, files and exit codes checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DIST_ENV_VARS, REPO, read_metrics, run_cli, train_losses
+
+pytestmark = pytest.mark.slow
+QUICK = ("trainer.max_epochs=1", "trainer.log_every=5")
+
+
+def run_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.glob("outputs/*/*/config.yaml"))
+
+
+def test_default_experiment_reaches_95_percent_in_under_a_minute(tmp_path):
+    train = Path(sys.executable).parent / "train"  # the console script from pyproject
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    result = subprocess.run([str(train)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = run_dirs(tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["val/accuracy"] >= 0.95
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 64
+    assert summary["wall_s"] < 60
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert "val/accuracy=" in last_line and "samples/s=" in last_line and str(run_dir) in last_line
+    assert "global batch 64 = 32 per rank x 2 ranks" in result.stderr
+
+
+def test_only_rank_zero_writes_one_run_dir(tmp_path):
+    result = run_cli(*QUICK, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = run_dirs(tmp_path)
+    assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1
+    assert len(list(tmp_path.rglob("summary.json"))) == 1
+    assert "[rank 1]" not in result.stderr  # ranks > 0 log warnings only
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        ".hydra", "config.yaml", "metrics.jsonl", "summary.json", "train.log"]  # fmt: skip
+
+
+def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "framework.train", *QUICK],
+        cwd=tmp_path / ".." / tmp_path.name, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    [torchrun_dir] = run_dirs(tmp_path)  # one dir although both ranks entered the Hydra app
+    assert not list(Path("/tmp").glob("framework-rank*"))  # rank 1's throwaway dir is gone
+
+    local = tmp_path / "local"
+    result = run_cli(*QUICK, f"hydra.run.dir={local}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert train_losses(torchrun_dir) == train_losses(local)
+
+
+def test_wandb_offline_makes_exactly_one_run_with_the_metrics(tmp_path):
+    env = {"WANDB_MODE": None, "WANDB_API_KEY": None, "NETRC": str(tmp_path / "no-netrc"),
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}  # fmt: skip
+    run_dir = tmp_path / "run"
+    result = run_cli(*QUICK, "logger=wandb", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    offline_runs = list(tmp_path.rglob("offline-run-*"))
+    assert len(offline_runs) == 1 and offline_runs[0].parent == run_dir / "wandb"
+    assert "wandb sync" in result.stderr
+    [history] = list(offline_runs[0].glob("*.wandb"))
+    assert history.stat().st_size > 0
+    assert read_metrics(run_dir)[-1]["val/accuracy"] > 0
+
+
+def test_multirun_sweep_runs_each_job_in_its_own_dir(tmp_path):
+    result = run_cli("-m", "optimizer.lr=0.1,0.05", "trainer.max_steps=3", "trainer.log_every=1",
+                     "launcher.nproc_per_node=1", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = sorted(tmp_path.glob("multirun/*/*/*/summary.json"))
+    assert len(summaries) == 2
+    lrs = [read_metrics(s.parent)[0]["lr"] for s in summaries]
+    assert lrs == [0.1, 0.05]
+
+
+def cifar_root(tmp_path: Path) -> Path:
+    from tests.unit.test_data import make_tiny_cifar
+
+    make_tiny_cifar(tmp_path / "cifar")
+    return tmp_path / "cifar" / "cifar-10-batches-py"
+
+
+def test_cifar10_experiment_trains_from_a_local_folder(tmp_path):
+    root = cifar_root(tmp_path)
+    run_dir = tmp_path / "run"
+    result = run_cli("experiment=cifar10_resnet18", f"data.root={root}", "data.batch_size=4",
+                     "data.num_workers=0", "trainer.max_steps=2", f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["global_batch_size"] == 8
+
+
+BAD_INPUT = [
+    (["model=resnet99"], ["model", "resnet18", "cnn", "mlp"]),
+    (["optimizer.lr=abc"], ["optimizer.lr", "abc"]),
+    (["trainer.unknown_key=1"], ["unknown_key"]),
+    (["launcher.nproc_per_node=0"], ["launcher.nproc_per_node=0", ">= 1"]),
+    (["trainer.grad_accum=0"], ["trainer.grad_accum=0", ">= 1"]),
+    (["data=cifar10"], ["data.root", "cifar-10-batches-py", "data.download=true"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), BAD_INPUT, ids=lambda v: str(v))
+def test_bad_input_exits_nonzero_with_one_clear_message_and_no_run_dir(tmp_path, overrides,
+                                                                       expected):  # fmt: skip
+    result = run_cli(*overrides, cwd=tmp_path)
+    assert result.returncode != 0
+    for text in expected:
+        assert text in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 12
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_an_existing_run_dir_is_refused_and_left_untouched(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_cli("trainer.max_steps=2", "launcher.nproc_per_node=1", f"hydra.run.dir={run_dir}",
+                    cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    second = run_cli("trainer.max_steps=5", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert second.returncode != 0 and "hydra.run.dir" in second.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_readme_starts_with_the_two_commands():
+    lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.strip()]
+    commands = [line for line in lines[:12] if line.startswith("uv run")]
+    assert commands[:2] == ["uv run train", "uv run pytest"]

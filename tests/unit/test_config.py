@@ -1,0 +1,118 @@
+"""Every group option composes and builds; bad settings fail with the key and the fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+
+from framework.config import ConfigError, validate
+from framework.train import build_optimizer, scaled_lr
+from tests.conftest import CONF_DIR, make_cfg
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_groups_have_the_promised_options():
+    assert {"mlp", "cnn", "resnet18"} <= set(options("model"))
+    assert {"digits", "synthetic", "cifar10"} <= set(options("data"))
+    assert {"sgd", "adamw"} <= set(options("optimizer"))
+    assert {"constant", "cosine", "step"} <= set(options("scheduler"))
+    assert {"local", "torchrun"} <= set(options("launcher"))
+    assert {"wandb", "none"} <= set(options("logger"))
+    assert {"digits_cnn", "cifar10_resnet18"} <= set(options("experiment"))
+
+
+def test_default_is_the_digits_cnn_experiment_on_two_ranks():
+    cfg = make_cfg()
+    assert cfg.model._target_.endswith("SmallCNN")
+    assert cfg.data._target_.endswith("digits")
+    assert cfg.launcher.nproc_per_node == 2
+    assert cfg == make_cfg("experiment=digits_cnn")
+
+
+@pytest.mark.parametrize("model", options("model"))
+@pytest.mark.parametrize("data", ["digits", "synthetic"])
+def test_every_model_runs_on_every_embedded_dataset(model, data):
+    cfg = (
+        make_cfg(f"model={model}", f"data={data}", "data.train_size=8", "data.val_size=4")
+        if data == "synthetic"
+        else make_cfg(f"model={model}", f"data={data}")
+    )
+    splits = instantiate(cfg.data)
+    inputs, _ = splits.train[0]
+    assert inputs.shape == (cfg.data.in_channels, cfg.data.image_size, cfg.data.image_size)
+    logits = instantiate(cfg.model)(inputs.unsqueeze(0).repeat(2, 1, 1, 1))
+    assert logits.shape == (2, cfg.data.num_classes)
+
+
+@pytest.mark.parametrize("optimizer", options("optimizer"))
+@pytest.mark.parametrize("scheduler", options("scheduler"))
+def test_every_optimizer_and_scheduler_builds_and_steps(optimizer, scheduler):
+    cfg = make_cfg(f"optimizer={optimizer}", f"scheduler={scheduler}")
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = build_optimizer(cfg.optimizer, [param], lr=0.1)
+    sched = instantiate(cfg.scheduler)(optimizer=opt, total_steps=10)
+    for _ in range(10):
+        param.grad = torch.ones(3)
+        opt.step()
+        sched.step()
+    assert param.detach().lt(1).all()
+
+
+def test_cosine_warmup_ramps_up_then_decays_to_min():
+    cfg = make_cfg("scheduler=cosine", "scheduler.warmup_steps=5", "scheduler.min_lr_ratio=0.1")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    sched = instantiate(cfg.scheduler)(optimizer=opt, total_steps=25)
+    lrs = []
+    for _ in range(25):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] < lrs[4] < lrs[5] == pytest.approx(1.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("scaling", "expected"), [("none", 0.1), ("linear", 0.05),
+                                                   ("sqrt", 0.1 * math.sqrt(0.5))])  # fmt: skip
+def test_lr_scaling_against_the_reference_global_batch(scaling, expected):
+    cfg = make_cfg("optimizer.lr=0.1", f"optimizer.lr_scaling={scaling}",
+                   "optimizer.reference_batch_size=256")  # fmt: skip
+    assert scaled_lr(cfg.optimizer, global_batch_size=128) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model=resnet99", "resnet18"),  # lists valid choices
+        ("optimizer.lr=abc", "optimizer.lr"),
+        ("trainer.not_a_key=1", "not_a_key"),
+        ("optimizer.lr_scaling=cubic", "linear"),
+    ],
+)
+def test_composition_errors_name_the_key(override, expected):
+    with pytest.raises(ConfigCompositionException) as error:
+        make_cfg(override)
+    assert expected in str(error.value) + str(error.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["launcher.nproc_per_node=0"], "launcher.nproc_per_node=0"),
+        (["trainer.grad_accum=0"], "trainer.grad_accum=0"),
+        (["data=cifar10"], "data.root"),
+        (["data=cifar10", "data.root=/nonexistent"], "data.root=/nonexistent"),
+        (["trainer.max_steps=null", "trainer.max_epochs=null"], "trainer.max_steps"),
+        (["trainer.ema_decay=1.5"], "trainer.ema_decay"),
+        (["dist.backend=mpi"], "dist.backend"),
+    ],
+)
+def test_cross_field_errors_name_the_setting(overrides, expected):
+    with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
+        validate(make_cfg(*overrides))
