@@ -248,8 +248,13 @@ class Config:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config},
-    "data": {"digits": DigitsConfig, "synthetic": SyntheticConfig, "cifar10": Cifar10Config},
+    "model": {"base": ModelConfig, "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config},
+    "data": {
+        "base": DataConfig,
+        "digits": DigitsConfig,
+        "synthetic": SyntheticConfig,
+        "cifar10": Cifar10Config,
+    },
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {
         "constant": ConstantSchedulerConfig,

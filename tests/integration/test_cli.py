@@ -143,3 +143,35 @@ def test_readme_starts_with_the_two_commands():
     lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.strip()]
     commands = [line for line in lines[:12] if line.startswith("uv run")]
     assert commands[:2] == ["uv run train", "uv run pytest"]
+
+
+def readme_train_commands() -> list[list[str]]:
+    commands = []
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("uv run train"):
+            words = line.split("#")[0].split()[3:]
+            commands.append([w for w in words if w != "-m"])
+    return commands
+
+
+@pytest.mark.parametrize("overrides", readme_train_commands(), ids=" ".join)
+def test_every_train_command_in_the_readme_composes(overrides):
+    from framework.config import validate
+    from tests.conftest import make_cfg
+
+    overrides = [o for o in overrides if not o.startswith("--")]
+    cfg = make_cfg(*(o.split(",")[0] for o in overrides))  # a sweep: its first value
+    if not any(o.startswith("data.root=") for o in overrides):
+        validate(cfg)
+
+
+def test_bring_your_own_model_and_dataset_through_target(tmp_path):
+    byo = Path(__file__).parent / "byo"
+    run_dir = tmp_path / "run"
+    result = run_cli(f"hydra.searchpath=[file://{byo}]", "model=my_net", "data=my_data",
+                     "model.depth=3", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path, env={"PYTHONPATH": str(REPO)})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = (run_dir / "config.yaml").read_text()
+    assert "TinyNet" in config and "depth: 3" in config
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8  # 64/(8*2) x 2
