@@ -1,20 +1,34 @@
 """DDP gradient communication: which hook runs, and how many bytes a step sends.
 
-`allreduce` is DDP's built-in bucketed allreduce (no Python hook). Bytes are counted per
-optimizer step from what the hook puts on the wire, so `comm/compression` compares like with
-like: uncompressed gradient bytes / bytes actually sent.
+- `allreduce`: DDP's built-in bucketed allreduce of fp32 gradients (no Python hook).
+- `fp16` / `bf16`: torch's compression hooks (gradients cast for the allreduce, cast back).
+- `powersgd`: our PowerSGD (Vogels et al., 2019). Same algorithm and knobs as torch's
+  `powerSGD_hook`, but every collective is issued from the hook call itself, in DDP's bucket
+  order, and waited for there. torch's hook chains the P and Q allreduces of different buckets
+  through future callbacks whose order differs between ranks; on gloo that mismatches the
+  collectives and aborts the job (see the field notes). Waiting costs little overlap because
+  PowerSGD sends a few hundred KB per step.
+
+Every hook counts the bytes it puts on the wire; `comm/compression` is the fp32 gradient
+size over the bytes actually sent in the last synchronisation.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from framework.distributed import DistEnv
 
 log = logging.getLogger(__name__)
+ScaleSource = Callable[[], torch.Tensor | None]
 
 
 def gradient_bytes(model: nn.Module) -> int:
@@ -22,23 +36,58 @@ def gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
+def _run_hook(comm, bucket):  # unannotated: DDP checks the annotation, which would be a string
+    """The one function DDP calls for every hooked bucket (it needs a real __qualname__)."""
+    future = comm.communicate(bucket)
+    if bucket.is_last():  # DDP reduces bucket 0 last: one synchronisation is complete
+        comm.end_round()
+    return future
+
+
 class Comm:
-    """DDP's default allreduce; the base other hooks extend."""
+    """DDP's default allreduce; the base that the hooks extend."""
 
     name = "allreduce"
+    uses_hook = False
 
     def __init__(self, env: DistEnv, **_: Any) -> None:
         self.env = env
         self.uncompressed_bytes = 0
+        self.last_step_bytes = 0
+        self._round_bytes = 0
 
-    def attach(self, ddp_model: nn.Module, model: nn.Module) -> None:
+    def attach(self, ddp_model: nn.Module, model: nn.Module, grad_scale: ScaleSource) -> None:
+        """Register the hook on a (new) DDP instance; call again after restoring state."""
         self.uncompressed_bytes = gradient_bytes(model)
+        self.grad_scale = grad_scale
+        self.device = next(model.parameters()).device
+        self.param_names = {id(p): name for name, p in model.named_parameters()}
+        self.param_index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        self.to(self.device)  # restored state arrives on CPU
+        if not self.env.distributed:
+            if self.uses_hook:
+                log.warning(
+                    "comm=%s has no effect with world_size=1: no gradients are communicated, "
+                    "so the run is uncompressed",
+                    self.name,
+                )
+            return
+        if self.uses_hook:
+            ddp_model.register_comm_hook(state=self, hook=_run_hook)
+        else:
+            self.last_step_bytes = self.uncompressed_bytes
 
-    def bytes_per_step(self) -> int:
-        return self.uncompressed_bytes if self.env.distributed else 0
+    def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        raise NotImplementedError
+
+    def count(self, tensor: torch.Tensor) -> None:
+        self._round_bytes += tensor.numel() * tensor.element_size()
+
+    def end_round(self) -> None:
+        self.last_step_bytes, self._round_bytes = self._round_bytes, 0
 
     def metrics(self) -> dict[str, float]:
-        sent = self.bytes_per_step()
+        sent = self.last_step_bytes
         return {
             "comm/bytes_per_step": sent,
             "comm/compression": self.uncompressed_bytes / sent if sent else 1.0,
@@ -50,13 +99,251 @@ class Comm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def to(self, device: torch.device) -> None:
+        pass
 
-COMMS: dict[str, type[Comm]] = {"allreduce": Comm}
+
+WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class CompressedAllreduce(Comm):
+    """torch's fp16/bf16 compression hooks: half the bytes of fp32, same algorithm."""
+
+    uses_hook = True
+    torch_hooks = {
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+    }
+
+    def __init__(self, env: DistEnv, name: str, **_: Any) -> None:
+        super().__init__(env)
+        self.name = name
+        self.hook = self.torch_hooks[name]
+        self.wire_itemsize = torch.empty((), dtype=WIRE_DTYPES[name]).element_size()
+
+    def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        # One allreduce per bucket, issued right here in bucket order: safe on gloo.
+        self._round_bytes += bucket.buffer().numel() * self.wire_itemsize
+        return self.hook(None, bucket)
+
+
+@dataclass
+class _BucketPlan:
+    """How one bucket's tensors are split: matrices to compress (with their rank) and the rest."""
+
+    shapes: tuple[torch.Size, ...]  # the gradients this plan was made for
+    compressed: list[int]  # indexes into bucket.gradients()
+    ranks: list[int]
+    uncompressed: list[int]
+    p_numel: int
+    q_numel: int
+
+
+class PowerSGD(Comm):
+    """Rank-r gradient compression with error feedback and warm start, gloo-safe."""
+
+    name = "powersgd"
+    uses_hook = True
+
+    def __init__(
+        self,
+        env: DistEnv,
+        rank: int = 2,
+        start_iter: int = 10,
+        min_compression_rate: float = 2.0,
+        error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0.0,
+        compress: str | None = None,
+        seed: int = 0,
+        **_: Any,
+    ) -> None:
+        super().__init__(env)
+        self.rank = rank
+        self.start_iter = start_iter
+        self.min_compression_rate = min_compression_rate
+        self.error_feedback = error_feedback
+        self.warm_start = warm_start
+        self.epsilon = orthogonalization_epsilon
+        self.wire_dtype = WIRE_DTYPES[compress] if compress else None
+        self.seed = seed
+        self.iter = 0
+        self.errors: dict[str, torch.Tensor] = {}  # per parameter, in unscaled gradient units
+        self.q_memory: dict[str, torch.Tensor] = {}  # per compressed parameter: last Q
+        self._plans: dict[int, _BucketPlan] = {}
+
+    @property
+    def compressing(self) -> bool:
+        return self.iter >= self.start_iter
+
+    def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        if self.compressing:
+            self._compress_and_reduce(bucket)
+        else:
+            self._allreduce_mean(buffer)
+        if bucket.is_last():
+            self.iter += 1
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+    # --- the algorithm ----------------------------------------------------------------------
+    def _compress_and_reduce(self, bucket: dist.GradBucket) -> None:
+        grads = bucket.gradients()  # views into the bucket's buffer, one per parameter
+        names = [self.param_names[id(p)] for p in bucket.parameters()]
+        plan = self._plan_for(bucket.index(), grads)
+        scale = self.grad_scale()  # AMP's loss scale (device tensor) or None
+
+        if self.error_feedback:
+            # State is kept per parameter, not per bucket: DDP rebuilds buckets after the first
+            # step and a restarted job starts with other buckets.
+            errors = [self._error(name, grad) for name, grad in zip(names, grads, strict=True)]
+            for grad, error in zip(grads, errors, strict=True):
+                grad.add_(error if scale is None else error * scale)
+            before = [g.clone() for g in grads]
+
+        if plan.uncompressed:
+            flat = torch.cat([grads[i].reshape(-1) for i in plan.uncompressed])
+            self._allreduce_mean(flat)
+            parts = flat.split([grads[i].numel() for i in plan.uncompressed])
+            for i, part in zip(plan.uncompressed, parts, strict=True):
+                grads[i].copy_(part.view_as(grads[i]))
+
+        if plan.compressed:
+            matrices = [_as_matrix(grads[i]) for i in plan.compressed]
+            compressed_names = [names[i] for i in plan.compressed]
+            p_shapes = [(m.shape[0], r) for m, r in zip(matrices, plan.ranks, strict=True)]
+            q_shapes = [(m.shape[1], r) for m, r in zip(matrices, plan.ranks, strict=True)]
+            initial_qs = [
+                self._initial_q(name, shape, grads[0]).reshape(-1)
+                for name, shape in zip(compressed_names, q_shapes, strict=True)
+            ]
+            q_flat = torch.cat(initial_qs)
+            start_q = q_flat.clone()
+            p_flat = grads[0].new_empty(plan.p_numel)
+            ps, qs = _split(p_flat, p_shapes), _split(q_flat, q_shapes)
+            for matrix, p, q in zip(matrices, ps, qs, strict=True):
+                torch.matmul(matrix, q, out=p)
+            self._allreduce_sum(p_flat)
+            for p in ps:
+                self._orthogonalize(p)
+            for matrix, p, q in zip(matrices, ps, qs, strict=True):
+                torch.matmul(matrix.t(), p, out=q)
+            self._allreduce_sum(q_flat)
+            q_flat.div_(self.env.world_size)
+            for matrix, p, q in zip(matrices, ps, qs, strict=True):
+                torch.matmul(p, q.t(), out=matrix)
+
+        # A step that the GradScaler will skip (inf/NaN on any rank reaches every rank through
+        # the allreduce) must leave error feedback and warm-start memory as they were.
+        # Checked on device, so no host sync.
+        finite = torch.isfinite(bucket.buffer()).all()
+        if plan.compressed and self.warm_start:
+            kept = torch.where(finite, q_flat, start_q)
+            for name, q in zip(compressed_names, _split(kept, q_shapes), strict=True):
+                self.q_memory[name] = q
+        if self.error_feedback:
+            for name, grad, old, pre in zip(names, grads, errors, before, strict=True):
+                new = pre - grad
+                self.errors[name] = torch.where(finite, new if scale is None else new / scale, old)
+
+    def _error(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        error = self.errors.get(name)
+        return error if error is not None and error.shape == grad.shape else torch.zeros_like(grad)
+
+    def _plan_for(self, index: int, grads: list[torch.Tensor]) -> _BucketPlan:
+        plan = self._plans.get(index)
+        if plan is None or plan.shapes != tuple(g.shape for g in grads):  # DDP rebuilt buckets
+            plan = self._plans[index] = self._plan(grads)
+        return plan
+
+    def _initial_q(self, name: str, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        remembered = self.q_memory.get(name) if self.warm_start else None
+        if remembered is not None and remembered.shape == shape:
+            return remembered
+        # Same seed on every rank, so all ranks project onto the same random subspace.
+        seed = self.seed * 1_000_003 + self.param_index[name] * 7919 + self.iter
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(shape, generator=generator).to(device=like.device, dtype=like.dtype)
+
+    def _plan(self, grads: list[torch.Tensor]) -> _BucketPlan:
+        """torch's rule: compress an n x m matrix at rank r when (n+m)*r*min_rate < n*m."""
+        compressed, ranks, uncompressed = [], [], []
+        p_numel = q_numel = 0
+        for i, grad in enumerate(grads):
+            n, m = _as_matrix(grad).shape
+            r = min(n, m, self.rank)
+            if (n + m) * r * self.min_compression_rate < n * m:
+                compressed.append(i)
+                ranks.append(r)
+                p_numel += n * r
+                q_numel += m * r
+            else:
+                uncompressed.append(i)
+        shapes = tuple(g.shape for g in grads)
+        return _BucketPlan(shapes, compressed, ranks, uncompressed, p_numel, q_numel)
+
+    def _orthogonalize(self, matrix: torch.Tensor) -> None:
+        """Orthonormal columns, in place. QR by default; Gram-Schmidt with the epsilon knob."""
+        if self.epsilon == 0:
+            matrix.copy_(torch.linalg.qr(matrix).Q)
+            return
+        for col_index in range(matrix.shape[1]):
+            col = matrix[:, col_index : col_index + 1]
+            col /= torch.linalg.vector_norm(col) + self.epsilon
+            rest = matrix[:, col_index + 1 :]
+            rest -= (col * rest).sum(dim=0, keepdim=True) * col
+
+    # --- the wire ---------------------------------------------------------------------------
+    def _allreduce_sum(self, tensor: torch.Tensor) -> None:
+        self.count(tensor)
+        dist.all_reduce(tensor)
+
+    def _allreduce_mean(self, tensor: torch.Tensor) -> None:
+        wire = tensor if self.wire_dtype is None else tensor.to(self.wire_dtype)
+        wire.div_(self.env.world_size)
+        self._allreduce_sum(wire)
+        if wire is not tensor:
+            tensor.copy_(wire)
+
+    # --- per-rank state (checkpoints) -------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "iter": self.iter,
+            "errors": {i: t.cpu() for i, t in self.errors.items()},
+            "q_memory": {i: t.cpu() for i, t in self.q_memory.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's state; attach() to the new DDP model afterwards."""
+        self.iter = state["iter"]
+        self.errors = {name: t.clone() for name, t in state["errors"].items()}
+        self.q_memory = {name: t.clone() for name, t in state["q_memory"].items()}
+
+    def to(self, device: torch.device) -> None:
+        self.errors = {i: t.to(device) for i, t in self.errors.items()}
+        self.q_memory = {i: t.to(device) for i, t in self.q_memory.items()}
+
+
+def _as_matrix(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as rows x everything-else (a bias is a column; a scalar is 1 x 1)."""
+    return grad.view(grad.shape[0] if grad.dim() else 1, -1)
+
+
+def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Matrix views of consecutive pieces of a flat buffer."""
+    parts = flat.split([rows * cols for rows, cols in shapes])
+    return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
 
 
 def build_comm(cfg: dict, env: DistEnv) -> Comm:
     options = dict(cfg)
     name = options.pop("name")
-    if name not in COMMS:
-        raise ValueError(f"comm={name} is unknown: choose one of {sorted(COMMS)}")
-    return COMMS[name](env, **options)
+    if name == "allreduce":
+        return Comm(env)
+    if name in WIRE_DTYPES:
+        return CompressedAllreduce(env, name)
+    if name == "powersgd":
+        return PowerSGD(env, **options)
+    raise ValueError(f"comm={name} is unknown: choose allreduce, fp16, bf16 or powersgd")

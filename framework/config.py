@@ -160,8 +160,32 @@ class PrecisionConfig:
 
 
 @dataclass
+class AmpConfig(PrecisionConfig):
+    """float16 autocast + GradScaler (dynamic loss scaling)."""
+
+    name: str = "amp"
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0  # scale *= this after growth_interval clean steps
+    backoff_factor: float = 0.5  # scale *= this after a step with inf/NaN gradients
+    growth_interval: int = 2000
+
+
+@dataclass
 class CommConfig:
     name: str = "allreduce"
+
+
+@dataclass
+class PowerSGDConfig(CommConfig):
+    name: str = "powersgd"
+    rank: int = 2  # matrix_approximation_rank: higher = more accurate, more bytes
+    start_iter: int = 10  # plain allreduce for this many steps first (torch's default: 1000)
+    min_compression_rate: float = 2.0  # compress a matrix only if it shrinks by this much
+    error_feedback: bool = True  # carry each rank's compression error into its next step
+    warm_start: bool = True  # reuse last step's Q instead of a fresh random one
+    orthogonalization_epsilon: float = 0.0  # > 0: Gram-Schmidt with this epsilon; 0: QR
+    compress: str | None = None  # fp16 | bf16: wire dtype of the uncompressed part
+    seed: int = 0  # random projections, identical on every rank
 
 
 # --- launch, logging, trainer ---------------------------------------------------------------
@@ -261,8 +285,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "cosine": CosineSchedulerConfig,
         "step": StepSchedulerConfig,
     },
-    "precision": {"base": PrecisionConfig},
-    "comm": {"base": CommConfig},
+    "precision": {"base": PrecisionConfig, "amp": AmpConfig},
+    "comm": {"base": CommConfig, "powersgd": PowerSGDConfig},
     "launcher": {"local": LocalLauncherConfig, "torchrun": TorchrunLauncherConfig},
     "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig},
 }
@@ -332,6 +356,7 @@ def validate(cfg: DictConfig | dict) -> None:
             c.launcher.max_restarts >= 0,
             f"launcher.max_restarts={c.launcher.max_restarts} must be >= 0",
         )
+    _validate_precision_and_comm(c)
     if "root" in c.data and not c.data.get("download", False):
         _validate_data_root(c.data.root)
     if c.logger.name == "wandb":
@@ -339,6 +364,43 @@ def validate(cfg: DictConfig | dict) -> None:
             c.logger.mode in ("auto", "online", "offline", "disabled"),
             f"logger.mode={c.logger.mode!r} is invalid: choose auto, online, offline or disabled",
         )
+
+
+def _validate_precision_and_comm(c: DictConfig) -> None:
+    if c.precision.name == "amp":
+        p = c.precision
+        _require(p.init_scale > 0, f"precision.init_scale={p.init_scale} must be > 0")
+        _require(p.growth_factor > 1, f"precision.growth_factor={p.growth_factor} must be > 1")
+        _require(
+            0 < p.backoff_factor < 1,
+            f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)",
+        )
+        _require(
+            p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1"
+        )
+    if c.comm.name != "powersgd":
+        return
+    comm = c.comm
+    _require(
+        comm.rank >= 1,
+        f"comm.rank={comm.rank} is invalid: the PowerSGD rank must be >= 1 (1, 2 and 4 are usual)",
+    )
+    _require(
+        comm.start_iter >= 0,
+        f"comm.start_iter={comm.start_iter} is invalid: steps of plain allreduce must be >= 0",
+    )
+    _require(
+        comm.min_compression_rate >= 0,
+        f"comm.min_compression_rate={comm.min_compression_rate} must be >= 0",
+    )
+    _require(
+        comm.orthogonalization_epsilon >= 0,
+        f"comm.orthogonalization_epsilon={comm.orthogonalization_epsilon} must be >= 0",
+    )
+    _require(
+        comm.compress in (None, "fp16", "bf16"),
+        f"comm.compress={comm.compress!r} is invalid: choose fp16, bf16 or null (no wrapper)",
+    )
 
 
 def _validate_data_root(root: str | None) -> None:

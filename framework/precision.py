@@ -37,9 +37,13 @@ class Precision:
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         optimizer.step()
 
+    def loss_scale(self) -> torch.Tensor | None:
+        """The factor gradients carry during backward (AMP), as a device tensor."""
+        return None
+
     def metrics(self) -> dict[str, float]:
         """Host-side numbers for a log event (called only when logging)."""
-        return {}
+        return {"precision/skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict[str, Any]:
         return {"skipped_steps": self.skipped_steps}
@@ -96,9 +100,15 @@ class AMP(Precision):
         self.scaler.update()
         self._skipped += (self.scaler._get_scale_async() < scale_before).long()
 
+    def loss_scale(self) -> torch.Tensor | None:
+        return self.scaler._get_scale_async()  # None until the first scale(loss)
+
     def metrics(self) -> dict[str, float]:
         self.skipped_steps = int(self._skipped.item())
-        return {"amp/loss_scale": self.scaler.get_scale(), "amp/skipped_steps": self.skipped_steps}
+        return {
+            "precision/loss_scale": self.scaler.get_scale(),
+            "precision/skipped_steps": self.skipped_steps,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         self.skipped_steps = int(self._skipped.item())

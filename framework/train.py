@@ -125,7 +125,7 @@ def _train(
 
     precision = build_precision(cfg.precision, device)
     comm = build_comm(cfg.comm, env)
-    comm.attach(model, module)
+    comm.attach(model, module, grad_scale=precision.loss_scale)
 
     lr = scaled_lr(cfg.optimizer, global_batch_size)
     log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)

@@ -82,3 +82,51 @@ def clean_distributed_env(monkeypatch):
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def spawn_ranks(fn, *args, world_size: int = 2) -> None:
+    """Run fn(rank, world_size, *args) in world_size processes joined by a real gloo group.
+    Assertions inside fn fail the test (the child's traceback is re-raised here)."""
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.start_processes(_rank_entry, args=(fn, world_size, store.port, args), nprocs=world_size,
+                       start_method="spawn")  # fmt: skip
+
+
+def _rank_entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def train_many(jobs: list[tuple[DictConfig, Path]], world_size: int = 2) -> list[dict]:
+    """Train several configs in one pair of worker processes (saves the seconds each new
+    process spends importing torch). Each run gets its own process group and run dir."""
+    import torch.multiprocessing as mp
+
+    for cfg, run_dir in jobs:
+        validate(cfg)
+        OmegaConf.resolve(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.start_processes(_train_many_entry, args=(jobs, world_size, store.port), nprocs=world_size,
+                       start_method="spawn")  # fmt: skip
+    return [json.loads((run_dir / "summary.json").read_text()) for _, run_dir in jobs]
+
+
+def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
+    from framework.distributed import DistEnv
+    from framework.train import run
+
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+                  source="local")  # fmt: skip
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    for index, (cfg, run_dir) in enumerate(jobs):
+        run(cfg, run_dir, env, dist.PrefixStore(f"job{index}", store))

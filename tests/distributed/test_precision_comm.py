@@ -1,0 +1,69 @@
+"""Every precision x comm combination on 2 CPU ranks, and what each does to accuracy."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from tests.conftest import TINY, make_cfg, read_metrics, train_many
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+PRECISIONS = ["fp32", "bf16", "amp"]
+COMMS = ["allreduce", "fp16", "bf16", "powersgd"]
+COMBINATIONS = [(p, c) for p in PRECISIONS for c in COMMS]
+
+
+@pytest.fixture(scope="module")
+def combination_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("combinations")
+    jobs = [
+        (make_cfg(*TINY, "model=cnn", "model.width=8", f"precision={precision}", f"comm={comm}",
+                  "trainer.max_steps=5", "trainer.clip_grad_norm=1.0", "data.batch_size=8",
+                  *(["comm.start_iter=2"] if comm == "powersgd" else [])),
+         root / f"{precision}-{comm}")
+        for precision, comm in COMBINATIONS
+    ]  # fmt: skip
+    summaries = train_many(jobs)
+    return {combo: (summary, read_metrics(run_dir)) for combo, summary, (_, run_dir)
+            in zip(COMBINATIONS, summaries, jobs, strict=True)}  # fmt: skip
+
+
+@pytest.mark.parametrize(("precision", "comm"), COMBINATIONS)
+def test_every_precision_and_comm_combination_trains_on_two_cpu_ranks(combination_runs, precision,
+                                                                      comm):  # fmt: skip
+    summary, events = combination_runs[(precision, comm)]
+    train_events = [e for e in events if "train/loss" in e]
+    assert summary["steps"] == 5 and summary["world_size"] == 2
+    assert all(e["train/loss"] == e["train/loss"] for e in train_events)  # no NaN
+    assert "precision/skipped_steps" in train_events[-1]
+    if precision == "amp":
+        assert train_events[-1]["precision/loss_scale"] > 0
+    expected_compression = {"allreduce": 1.0, "fp16": 2.0, "bf16": 2.0}
+    if comm in expected_compression:
+        assert summary["comm/compression"] == pytest.approx(expected_compression[comm])
+    else:
+        assert train_events[0]["comm/compression"] == 1.0  # plain allreduce before start_iter
+        assert summary["comm/compression"] > 2.0
+
+
+SEEDS = (0, 1)  # one seed alone moves digits accuracy by about a point (359 val images)
+VARIANTS = ["comm=allreduce", "comm=fp16", "comm=bf16", "comm=powersgd", "precision=bf16",
+            "precision=amp"]  # fmt: skip
+
+
+def test_compressed_communication_and_every_precision_keep_digits_accuracy(tmp_path):
+    """The default digits experiment, same number of steps, mean over two seeds."""
+    jobs = [(make_cfg(variant, f"trainer.seed={seed}", "trainer.log_every=1000"),
+             tmp_path / f"{variant.replace('=', '-')}-{seed}")
+            for variant in VARIANTS for seed in SEEDS]  # fmt: skip
+    summaries = iter(train_many(jobs))
+    accuracy = {
+        variant: statistics.mean(next(summaries)["val/accuracy"] for _ in SEEDS)
+        for variant in VARIANTS
+    }
+    baseline = accuracy["comm=allreduce"]  # = fp32 with allreduce
+    assert baseline >= 0.95, accuracy
+    for variant in VARIANTS[1:]:
+        assert accuracy[variant] >= baseline - 0.01, accuracy
+    print(accuracy)
