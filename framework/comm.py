@@ -171,6 +171,7 @@ class PowerSGD(Comm):
         self.errors: dict[str, torch.Tensor] = {}  # per parameter, in unscaled gradient units
         self.q_memory: dict[str, torch.Tensor] = {}  # per compressed parameter: last Q
         self._plans: dict[int, _BucketPlan] = {}
+        self._scratch_buffers: dict[str, torch.Tensor] = {}
 
     @property
     def compressing(self) -> bool:
@@ -193,15 +194,25 @@ class PowerSGD(Comm):
         grads = bucket.gradients()  # views into the bucket's buffer, one per parameter
         names = [self.param_names[id(p)] for p in bucket.parameters()]
         plan = self._plan_for(bucket.index(), grads)
-        scale = self.grad_scale()  # AMP's loss scale (device tensor) or None
+        # With AMP, gradients carry the loss scale and a step may hold inf/NaN that the
+        # GradScaler will skip: error feedback is kept unscaled and guarded against that step.
+        scale = self.grad_scale()
+        guarded = scale is not None
+        checks: list[torch.Tensor] = []  # small tensors in which any inf/NaN shows up
 
         if self.error_feedback:
-            # State is kept per parameter, not per bucket: DDP rebuilds buckets after the first
-            # step and a restarted job starts with other buckets.
+            # Per parameter, not per bucket: DDP rebuilds buckets after the first step and a
+            # restarted job starts with other buckets. Updated in place: no big allocations.
             errors = [self._error(name, grad) for name, grad in zip(names, grads, strict=True)]
-            for grad, error in zip(grads, errors, strict=True):
-                grad.add_(error if scale is None else error * scale)
-            before = [g.clone() for g in grads]
+            if guarded:
+                befores = [self._scratch(name, g) for name, g in zip(names, grads, strict=True)]
+                torch._foreach_copy_(befores, errors)
+                torch._foreach_mul_(befores, scale)  # stored unscaled, applied at today's scale
+                torch._foreach_add_(grads, befores)
+            else:
+                torch._foreach_add_(grads, errors)
+                befores = errors  # the error buffers hold the pre-communication gradient
+            torch._foreach_copy_(befores, grads)
 
         if plan.uncompressed:
             flat = torch.cat([grads[i].reshape(-1) for i in plan.uncompressed])
@@ -209,23 +220,26 @@ class PowerSGD(Comm):
             parts = flat.split([grads[i].numel() for i in plan.uncompressed])
             for i, part in zip(plan.uncompressed, parts, strict=True):
                 grads[i].copy_(part.view_as(grads[i]))
+            checks.append(flat)
 
         if plan.compressed:
             matrices = [_as_matrix(grads[i]) for i in plan.compressed]
             compressed_names = [names[i] for i in plan.compressed]
             p_shapes = [(m.shape[0], r) for m, r in zip(matrices, plan.ranks, strict=True)]
             q_shapes = [(m.shape[1], r) for m, r in zip(matrices, plan.ranks, strict=True)]
-            initial_qs = [
-                self._initial_q(name, shape, grads[0]).reshape(-1)
-                for name, shape in zip(compressed_names, q_shapes, strict=True)
-            ]
-            q_flat = torch.cat(initial_qs)
-            start_q = q_flat.clone()
+            q_flat = torch.cat(
+                [
+                    self._initial_q(name, shape, grads[0]).reshape(-1)
+                    for name, shape in zip(compressed_names, q_shapes, strict=True)
+                ]
+            )
+            start_q = q_flat.clone() if guarded and self.warm_start else None
             p_flat = grads[0].new_empty(plan.p_numel)
             ps, qs = _split(p_flat, p_shapes), _split(q_flat, q_shapes)
             for matrix, p, q in zip(matrices, ps, qs, strict=True):
                 torch.matmul(matrix, q, out=p)
-            self._allreduce_sum(p_flat)
+            self._allreduce_sum(p_flat)  # inf/NaN in any rank's gradient reaches every P
+            checks.append(p_flat.clone())
             for p in ps:
                 self._orthogonalize(p)
             for matrix, p, q in zip(matrices, ps, qs, strict=True):
@@ -234,23 +248,33 @@ class PowerSGD(Comm):
             q_flat.div_(self.env.world_size)
             for matrix, p, q in zip(matrices, ps, qs, strict=True):
                 torch.matmul(p, q.t(), out=matrix)
+            if self.warm_start:
+                kept = q_flat
+                if start_q is not None:
+                    kept = torch.where(_all_finite(checks), q_flat, start_q)
+                for name, q in zip(compressed_names, _split(kept, q_shapes), strict=True):
+                    self.q_memory[name] = q
 
-        # A step that the GradScaler will skip (inf/NaN on any rank reaches every rank through
-        # the allreduce) must leave error feedback and warm-start memory as they were.
-        # Checked on device, so no host sync.
-        finite = torch.isfinite(bucket.buffer()).all()
-        if plan.compressed and self.warm_start:
-            kept = torch.where(finite, q_flat, start_q)
-            for name, q in zip(compressed_names, _split(kept, q_shapes), strict=True):
-                self.q_memory[name] = q
         if self.error_feedback:
-            for name, grad, old, pre in zip(names, grads, errors, before, strict=True):
-                new = pre - grad
-                self.errors[name] = torch.where(finite, new if scale is None else new / scale, old)
+            if guarded:
+                finite = _all_finite(checks)  # on device: no host sync
+                for error, before, grad in zip(errors, befores, grads, strict=True):
+                    before.sub_(grad).div_(scale)
+                    torch.where(finite, before, error, out=error)  # a skipped step keeps it
+            else:
+                torch._foreach_sub_(errors, grads)  # pre-communication gradient - what was applied
 
     def _error(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         error = self.errors.get(name)
-        return error if error is not None and error.shape == grad.shape else torch.zeros_like(grad)
+        if error is None or error.shape != grad.shape:
+            error = self.errors[name] = torch.zeros_like(grad)
+        return error
+
+    def _scratch(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        buffer = self._scratch_buffers.get(name)
+        if buffer is None or buffer.shape != grad.shape:
+            buffer = self._scratch_buffers[name] = torch.empty_like(grad)
+        return buffer
 
     def _plan_for(self, index: int, grads: list[torch.Tensor]) -> _BucketPlan:
         plan = self._plans.get(index)
@@ -285,13 +309,16 @@ class PowerSGD(Comm):
         return _BucketPlan(shapes, compressed, ranks, uncompressed, p_numel, q_numel)
 
     def _orthogonalize(self, matrix: torch.Tensor) -> None:
-        """Orthonormal columns, in place. QR by default; Gram-Schmidt with the epsilon knob."""
-        if self.epsilon == 0:
+        """Orthonormal columns, in place: Gram-Schmidt for rank <= 2 or a nonzero epsilon
+        (cheaper than a LAPACK call for one or two columns), QR otherwise."""
+        if self.epsilon == 0 and matrix.shape[1] > 2:
             matrix.copy_(torch.linalg.qr(matrix).Q)
             return
         for col_index in range(matrix.shape[1]):
             col = matrix[:, col_index : col_index + 1]
-            col /= torch.linalg.vector_norm(col) + self.epsilon
+            norm = torch.linalg.vector_norm(col)
+            # An all-zero column (a layer with no gradient) stays zero instead of turning NaN.
+            col /= norm + self.epsilon if self.epsilon else norm.clamp_min(1e-30)
             rest = matrix[:, col_index + 1 :]
             rest -= (col * rest).sum(dim=0, keepdim=True) * col
 
@@ -324,6 +351,10 @@ class PowerSGD(Comm):
     def to(self, device: torch.device) -> None:
         self.errors = {i: t.to(device) for i, t in self.errors.items()}
         self.q_memory = {i: t.to(device) for i, t in self.q_memory.items()}
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 def _as_matrix(grad: torch.Tensor) -> torch.Tensor:

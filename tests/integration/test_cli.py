@@ -113,6 +113,10 @@ BAD_INPUT = [
     (["launcher.nproc_per_node=0"], ["launcher.nproc_per_node=0", ">= 1"]),
     (["trainer.grad_accum=0"], ["trainer.grad_accum=0", ">= 1"]),
     (["data=cifar10"], ["data.root", "cifar-10-batches-py", "data.download=true"]),
+    (["comm=powersgd", "comm.rank=0"], ["comm.rank=0", ">= 1"]),
+    (["comm=powersgd", "comm.start_iter=-1"], ["comm.start_iter=-1", ">= 0"]),
+    (["precision=fp8"], ["precision/fp8", "amp", "bf16", "fp32"]),
+    (["comm=powersgd", "comm.compress=fp8"], ["comm.compress='fp8'", "fp16, bf16 or null"]),
 ]
 
 
