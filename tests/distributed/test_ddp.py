@@ -80,6 +80,7 @@ def test_ema_clipping_and_ddp_options_run_together(tmp_path):
         "launcher.nproc_per_node=2", "data.batch_size=4", "trainer.max_steps=3",
         "trainer.ema_decay=0.9", "trainer.clip_grad_norm=1.0", "dist.ddp.bucket_cap_mb=1",
         "dist.ddp.static_graph=true", "dist.ddp.gradient_as_bucket_view=false",
+        "data.num_workers=2", "data.persistent_workers=true",
     )  # fmt: skip
     assert summary["steps"] == 3 and all(torch.isfinite(torch.tensor(losses)))
 
