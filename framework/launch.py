@@ -42,6 +42,9 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
 # --- launcher=local: torch.multiprocessing spawn, rendezvous on a store this process hosts ----
 def _launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
+    # After a rank fails, spawn's "Terminating process ... via SIGTERM" only adds noise: the
+    # failing rank has printed why.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     # Port 0: the OS picks a free port, so concurrent runs and tests never collide.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:

@@ -71,6 +71,11 @@ def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, A
     device = pick_device(env)
     limit_cpu_threads(env)
     backend = pick_backend(cfg.dist.backend, device)
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto "
+            "(gloo on CPU) or dist.backend=gloo"
+        )
     with process_group(env, backend, cfg.dist.timeout_s, store):
         if env.source == "torchrun" and env.distributed:
             # Every torchrun rank composed its own config; rank 0's is the one that runs.
@@ -162,8 +167,11 @@ def discard_run_files(run_dir: Path) -> None:
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
     for name in ("config.yaml", "train.log"):
         (run_dir / name).unlink(missing_ok=True)
-    if run_dir.is_dir() and not any(run_dir.iterdir()):
-        run_dir.rmdir()
+    # The run dir, then the dated folders Hydra made for it, while they are empty.
+    for folder in (run_dir, *run_dir.parents):
+        if not folder.is_dir() or any(folder.iterdir()) or folder == Path.cwd():
+            break
+        folder.rmdir()
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -172,7 +180,8 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_app(cfg: DictConfig) -> float | None:
     """Hydra's task function: validated, resolved once, then handed to the launcher."""
-    from framework.launch import launch  # keeps torch.multiprocessing out of import time
+    # Imported here: launch imports this module, and workers need no multiprocessing setup.
+    from framework.launch import WorkerFailed, launch
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -186,9 +195,7 @@ def hydra_app(cfg: DictConfig) -> float | None:
     except ConfigError as error:
         discard_run_files(run_dir)
         exit_with(error)
-    except RuntimeError as error:
-        if type(error).__name__ != "WorkerFailed":
-            raise
+    except WorkerFailed as error:  # the failing rank printed its own traceback
         exit_with(error, code=1)
     return None if summary is None else summary["val/accuracy"]
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TINY, make_cfg, read_metrics, train_in_process, train_losses
+from tests.conftest import (
+    TINY,
+    make_cfg,
+    read_metrics,
+    train_in_process,
+    train_losses,
+    train_many,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -50,11 +57,12 @@ def test_two_rank_evaluation_equals_one_rank_on_an_odd_sized_val_set(tmp_path):
 
 
 def test_same_seed_same_world_size_gives_identical_losses(tmp_path):
-    overrides = ("model=cnn", "launcher.nproc_per_node=2", "trainer.max_steps=8")
-    _, first = run(tmp_path, "a", *overrides)
-    _, second = run(tmp_path, "b", *overrides)
+    overrides = (*PARITY, "model=cnn", "trainer.max_steps=8")
+    seeds = {"a": 0, "b": 0, "c": 1}
+    train_many([(make_cfg(*overrides, f"trainer.seed={seed}"), tmp_path / name)
+                for name, seed in seeds.items()])  # fmt: skip
+    first, second, other_seed = (train_losses(tmp_path / name) for name in seeds)
     assert first == second
-    _, other_seed = run(tmp_path, "c", *overrides, "trainer.seed=1")
     assert other_seed != first
 
 
