@@ -25,7 +25,7 @@ class DistEnv:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
-    source: str = "single"  # single | local | torchrun | slurm
+    source: str = "single"  # single | local | elastic (launcher=torchrun) | torchrun | slurm
 
     @property
     def is_main(self) -> bool:

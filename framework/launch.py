@@ -7,12 +7,14 @@ config again. `local` spawns processes itself; `torchrun` hands them to torch's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
 import traceback
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,6 @@ from omegaconf import DictConfig
 from framework.config import ConfigError, ReportedConfigError
 from framework.distributed import DistEnv
 from framework.train import run
-
-log = logging.getLogger("framework")
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -64,7 +64,8 @@ def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, np
         rank=local_rank, local_rank=local_rank, world_size=nproc, local_world_size=nproc,
         source="local",
     )  # fmt: skip
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_timeout(cfg))
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     _run_reporting_config_errors(cfg, run_dir, env, store)
 
 
@@ -91,12 +92,6 @@ def _raise_worker_failure(rank: int, exit_code: int) -> None:
     raise WorkerFailed(
         f"rank {rank} failed with exit code {exit_code} (its output is above)"
     ) from None
-
-
-def _timeout(cfg: DictConfig):
-    from datetime import timedelta
-
-    return timedelta(seconds=cfg.dist.timeout_s)
 
 
 # --- launcher=torchrun: torch.distributed's elastic agent, in this process ---------------------
@@ -127,12 +122,9 @@ def _launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def _elastic_worker(cfg: DictConfig, run_dir: Path) -> None:
-    env = DistEnv.from_environ()
-    # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra.
-    env = DistEnv(
-        rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
-        local_world_size=env.local_world_size, source="elastic",
-    )  # fmt: skip
+    # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra,
+    # so this rank must not wait for another rank's config the way an external torchrun does.
+    env = dataclasses.replace(DistEnv.from_environ(), source="elastic")
     _run_reporting_config_errors(cfg, run_dir, env)
 
 
