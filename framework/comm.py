@@ -135,8 +135,7 @@ class _BucketPlan:
     compressed: list[int]  # indexes into bucket.gradients()
     ranks: list[int]
     uncompressed: list[int]
-    p_numel: int
-    q_numel: int
+    p_numel: int  # elements of all P matrices together
 
 
 class PowerSGD(Comm):
@@ -294,7 +293,7 @@ class PowerSGD(Comm):
     def _plan(self, grads: list[torch.Tensor]) -> _BucketPlan:
         """torch's rule: compress an n x m matrix at rank r when (n+m)*r*min_rate < n*m."""
         compressed, ranks, uncompressed = [], [], []
-        p_numel = q_numel = 0
+        p_numel = 0
         for i, grad in enumerate(grads):
             n, m = _as_matrix(grad).shape
             r = min(n, m, self.rank)
@@ -302,11 +301,10 @@ class PowerSGD(Comm):
                 compressed.append(i)
                 ranks.append(r)
                 p_numel += n * r
-                q_numel += m * r
             else:
                 uncompressed.append(i)
         shapes = tuple(g.shape for g in grads)
-        return _BucketPlan(shapes, compressed, ranks, uncompressed, p_numel, q_numel)
+        return _BucketPlan(shapes, compressed, ranks, uncompressed, p_numel)
 
     def _orthogonalize(self, matrix: torch.Tensor) -> None:
         """Orthonormal columns, in place: Gram-Schmidt for rank <= 2 or a nonzero epsilon
