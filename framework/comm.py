@@ -60,10 +60,6 @@ class Comm:
         """Register the hook on a (new) DDP instance; call again after restoring state."""
         self.uncompressed_bytes = gradient_bytes(model)
         self.grad_scale = grad_scale
-        self.device = next(model.parameters()).device
-        self.param_names = {id(p): name for name, p in model.named_parameters()}
-        self.param_index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-        self.to(self.device)  # restored state arrives on CPU
         if not self.env.distributed:
             if self.uses_hook:
                 log.warning(
@@ -80,10 +76,12 @@ class Comm:
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         raise NotImplementedError
 
-    def count(self, tensor: torch.Tensor) -> None:
-        self._round_bytes += tensor.numel() * tensor.element_size()
+    def count(self, numel: int, itemsize: int) -> None:
+        """Bytes this rank puts on the wire in the current synchronisation."""
+        self._round_bytes += numel * itemsize
 
     def end_round(self) -> None:
+        """The last bucket of a step is done."""
         self.last_step_bytes, self._round_bytes = self._round_bytes, 0
 
     def metrics(self) -> dict[str, float]:
@@ -97,9 +95,6 @@ class Comm:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def to(self, device: torch.device) -> None:
         pass
 
 
@@ -119,11 +114,11 @@ class CompressedAllreduce(Comm):
         super().__init__(env)
         self.name = name
         self.hook = self.torch_hooks[name]
-        self.wire_itemsize = torch.empty((), dtype=WIRE_DTYPES[name]).element_size()
+        self.wire_itemsize = WIRE_DTYPES[name].itemsize
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         # One allreduce per bucket, issued right here in bucket order: safe on gloo.
-        self._round_bytes += bucket.buffer().numel() * self.wire_itemsize
+        self.count(bucket.buffer().numel(), self.wire_itemsize)
         return self.hook(None, bucket)
 
 
@@ -172,18 +167,25 @@ class PowerSGD(Comm):
         self._plans: dict[int, _BucketPlan] = {}
         self._scratch_buffers: dict[str, torch.Tensor] = {}
 
-    @property
-    def compressing(self) -> bool:
-        return self.iter >= self.start_iter
+    def attach(self, ddp_model: nn.Module, model: nn.Module, grad_scale: ScaleSource) -> None:
+        # State is keyed by parameter name, so it survives bucket rebuilds and restarts.
+        self.param_names = {id(p): name for name, p in model.named_parameters()}
+        self.param_index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        device = next(model.parameters()).device  # restored state arrives on CPU
+        self.errors = {name: t.to(device) for name, t in self.errors.items()}
+        self.q_memory = {name: t.to(device) for name, t in self.q_memory.items()}
+        super().attach(ddp_model, model, grad_scale)
+
+    def end_round(self) -> None:
+        super().end_round()
+        self.iter += 1
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        if self.compressing:
+        if self.iter >= self.start_iter:
             self._compress_and_reduce(bucket)
         else:
             self._allreduce_mean(buffer)
-        if bucket.is_last():
-            self.iter += 1
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(buffer)
         return future
@@ -322,7 +324,7 @@ class PowerSGD(Comm):
 
     # --- the wire ---------------------------------------------------------------------------
     def _allreduce_sum(self, tensor: torch.Tensor) -> None:
-        self.count(tensor)
+        self.count(tensor.numel(), tensor.element_size())
         dist.all_reduce(tensor)
 
     def _allreduce_mean(self, tensor: torch.Tensor) -> None:
@@ -345,10 +347,6 @@ class PowerSGD(Comm):
         self.iter = state["iter"]
         self.errors = {name: t.clone() for name, t in state["errors"].items()}
         self.q_memory = {name: t.clone() for name, t in state["q_memory"].items()}
-
-    def to(self, device: torch.device) -> None:
-        self.errors = {i: t.to(device) for i, t in self.errors.items()}
-        self.q_memory = {i: t.to(device) for i, t in self.q_memory.items()}
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:

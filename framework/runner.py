@@ -231,6 +231,9 @@ class _Window:
 def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:
     """Optimizer steps until max_steps or max_epochs, whichever comes first (validate()
     guarantees at least one is set)."""
-    limits = [trainer_cfg.max_steps, None if trainer_cfg.max_epochs is None else
-              trainer_cfg.max_epochs * steps_per_epoch]  # fmt: skip
-    return min(limit for limit in limits if limit is not None)
+    limits = []
+    if trainer_cfg.max_steps is not None:
+        limits.append(trainer_cfg.max_steps)
+    if trainer_cfg.max_epochs is not None:
+        limits.append(trainer_cfg.max_epochs * steps_per_epoch)
+    return min(limits)

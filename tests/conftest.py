@@ -38,13 +38,18 @@ TINY = (
 )
 
 
-def train_in_process(cfg: DictConfig, run_dir: Path) -> dict:
-    """What the Hydra app does after composing: validate, resolve once, launch the ranks."""
-    from framework.launch import launch
-
+def prepare_run(cfg: DictConfig, run_dir: Path) -> None:
+    """What the Hydra app does after composing: validate, resolve once, make the run dir."""
     validate(cfg)
     OmegaConf.resolve(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def train_in_process(cfg: DictConfig, run_dir: Path) -> dict:
+    """Prepare, then start the ranks with the configured launcher, as `train` does."""
+    from framework.launch import launch
+
+    prepare_run(cfg, run_dir)
     return launch(cfg, run_dir)
 
 
@@ -112,9 +117,7 @@ def train_many(jobs: list[tuple[DictConfig, Path]], world_size: int = 2) -> list
     import torch.multiprocessing as mp
 
     for cfg, run_dir in jobs:
-        validate(cfg)
-        OmegaConf.resolve(cfg)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        prepare_run(cfg, run_dir)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     mp.start_processes(_train_many_entry, args=(jobs, world_size, store.port), nprocs=world_size,
                        start_method="spawn")  # fmt: skip
