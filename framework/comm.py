@@ -52,6 +52,9 @@ class Comm:
 
     def __init__(self, env: DistEnv, **_: Any) -> None:
         self.env = env
+        # Keep per-rank memory (PowerSGD) untouched by a step whose gradients are inf/NaN, as
+        # with amp: set when such steps are skipped (trainer.on_nonfinite=skip).
+        self.guard_nonfinite = False
         self.uncompressed_bytes = 0
         self.last_step_bytes = 0
         self._round_bytes = 0
@@ -171,10 +174,14 @@ class PowerSGD(Comm):
         # State is keyed by parameter name, so it survives bucket rebuilds and restarts.
         self.param_names = {id(p): name for name, p in model.named_parameters()}
         self.param_index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-        device = next(model.parameters()).device  # restored state arrives on CPU
-        self.errors = {name: t.to(device) for name, t in self.errors.items()}
-        self.q_memory = {name: t.to(device) for name, t in self.q_memory.items()}
+        self.device = next(model.parameters()).device
+        self._to_device()
         super().attach(ddp_model, model, grad_scale)
+
+    def _to_device(self) -> None:
+        """State restored from a checkpoint arrives on CPU."""
+        self.errors = {name: t.to(self.device) for name, t in self.errors.items()}
+        self.q_memory = {name: t.to(self.device) for name, t in self.q_memory.items()}
 
     def end_round(self) -> None:
         super().end_round()
@@ -198,6 +205,8 @@ class PowerSGD(Comm):
         # With AMP, gradients carry the loss scale and a step may hold inf/NaN that the
         # GradScaler will skip: error feedback is kept unscaled and guarded against that step.
         scale = self.grad_scale()
+        if scale is None and self.guard_nonfinite:
+            scale = torch.ones((), device=grads[0].device)  # x1 and /1 are exact
         guarded = scale is not None
         checks: list[torch.Tensor] = []  # small tensors in which any inf/NaN shows up
 
@@ -343,10 +352,12 @@ class PowerSGD(Comm):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's state; attach() to the new DDP model afterwards."""
+        """Restore this rank's state, before or after attach() to a DDP model."""
         self.iter = state["iter"]
         self.errors = {name: t.clone() for name, t in state["errors"].items()}
         self.q_memory = {name: t.clone() for name, t in state["q_memory"].items()}
+        if hasattr(self, "device"):
+            self._to_device()
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,21 @@ class TrainerConfig:
     sync_batchnorm: bool = False
     ema_decay: float | None = None  # e.g. 0.999; evaluation then uses the averaged weights
     progress_bar: bool = True  # rank 0, only when stderr is a terminal
+    # A non-finite loss (or, outside amp, gradient) on any rank: every rank sees it at the
+    # same step. stop: end the run there, saving nothing; skip: drop that update and go on.
+    on_nonfinite: str = "stop"
+    # Signals that stop the run at the next step with a checkpoint (exit code 75, resumable).
+    # SIGINT (Ctrl-C) always does.
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500  # optimizer steps between checkpoints; 0 = only the final one
+    keep: int = 3  # newest checkpoints kept in <run dir>/checkpoints (>= 1)
+    # auto: continue from the newest valid checkpoint in the run dir, if any; never; or a path.
+    resume: str = "auto"
+    final: bool = True  # also save when the run ends or stops on a signal / Ctrl-C
 
 
 @dataclass
@@ -268,7 +284,11 @@ class Config:
     launcher: Any = MISSING
     logger: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    # Module prefixes `_target_` may name, on top of torch, torchvision, framework and
+    # experiments (framework/security.py). Config files only: the command line cannot set it.
+    allowed_targets: list[str] = field(default_factory=list)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -300,6 +320,19 @@ def register_configs() -> None:
             cs.store(group=f"schema/{group}", name=name, node=schema)
 
 
+def run_stamp() -> str:
+    """The run dir below outputs/: date/time, or under an external torchrun the job's
+    rendezvous id, which every restart of the job shares, so a restarted rank 0 comes back
+    to the run dir (and checkpoints) of the first attempt."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return f"torchrun/{run_id}"
+    return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
+
+
+OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
+
+
 register_configs()
 
 
@@ -311,7 +344,11 @@ def _require(condition: bool, message: str) -> None:
 
 def validate(cfg: DictConfig | dict) -> None:
     """Check rules that span keys. Raises ConfigError with the setting and the fix."""
+    # Imported here: security imports ConfigError from this module.
+    from framework.security import check_targets
+
     c = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    check_targets(c)
     nproc = c.launcher.nproc_per_node
     _require(
         nproc >= 1,
@@ -342,6 +379,7 @@ def validate(cfg: DictConfig | dict) -> None:
         t.ema_decay is None or 0.0 < t.ema_decay < 1.0,
         f"trainer.ema_decay={t.ema_decay} must be in (0, 1), e.g. 0.999 (or null to disable)",
     )
+    _validate_stopping_and_checkpoints(c)
     _require(c.data.batch_size >= 1, f"data.batch_size={c.data.batch_size} must be >= 1")
     _require(c.data.num_workers >= 0, f"data.num_workers={c.data.num_workers} must be >= 0")
     _require(c.optimizer.lr > 0, f"optimizer.lr={c.optimizer.lr} must be > 0")
@@ -364,6 +402,32 @@ def validate(cfg: DictConfig | dict) -> None:
             c.logger.mode in ("auto", "online", "offline", "disabled"),
             f"logger.mode={c.logger.mode!r} is invalid: choose auto, online, offline or disabled",
         )
+
+
+def _validate_stopping_and_checkpoints(c: DictConfig) -> None:
+    t, ck = c.trainer, c.checkpoint
+    _require(
+        t.on_nonfinite in ("stop", "skip"),
+        f"trainer.on_nonfinite={t.on_nonfinite!r} is invalid: choose stop or skip",
+    )
+    for name in t.stop_signals:
+        _require(
+            name in STOP_SIGNALS,
+            f"trainer.stop_signals: {name!r} is not a signal a run can stop on: "
+            f"choose from {', '.join(STOP_SIGNALS)}",
+        )
+    _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0 = final only)")
+    _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
+    if ck.resume not in ("auto", "never"):
+        path = Path(ck.resume).expanduser()
+        _require(
+            path.is_file(),
+            f"checkpoint.resume={ck.resume} is not a file: give a checkpoint file "
+            "(<run dir>/checkpoints/last.pt), auto or never",
+        )
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
 
 def _validate_precision_and_comm(c: DictConfig) -> None:
@@ -421,27 +485,62 @@ def exit_with(error: Exception, code: int = 2) -> None:
     raise SystemExit(code)
 
 
+def _continues(run_dir: Path, config: DictConfig) -> bool:
+    """A run dir with a run in it is only reused to resume it: from its checkpoints, or as a
+    torchrun restart of the same job (which may not have saved one yet)."""
+    if config.checkpoint.resume == "never":
+        return False
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return restarted or any((run_dir / "checkpoints").glob("step_*.pt"))
+
+
 class ValidateBeforeRun(Callback):
-    """Hydra callback: reject a bad config before Hydra creates or writes any output dir."""
+    """Hydra callback: reject a bad config before Hydra creates or writes any output dir, and
+    write Hydra's record of the job (config, hydra, overrides) with secrets redacted."""
+
+    def __init__(self, output_subdir: str | None = ".hydra") -> None:
+        # Hydra's own hydra.output_subdir stays null: Hydra saves its record before any
+        # callback runs, secrets included. This is where the redacted record goes instead.
+        self.output_subdir = output_subdir
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)
         run_dir = Path(config.hydra.run.dir)
-        if any((run_dir / name).exists() for name in ("metrics.jsonl", "summary.json")):
+        holds_run = any((run_dir / name).exists() for name in ("metrics.jsonl", "summary.json"))
+        if holds_run and not _continues(run_dir, config):
             exit_with(
                 ConfigError(
-                    f"hydra.run.dir={run_dir} already holds a run; it is left untouched. "
-                    "Choose a new hydra.run.dir (or leave it unset for a fresh timestamped dir)"
+                    f"hydra.run.dir={run_dir} already holds a run with no checkpoint to continue "
+                    "from (or checkpoint.resume=never); it is left untouched. Choose a new "
+                    "hydra.run.dir (or leave it unset for a fresh timestamped dir)"
                 )
             )
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from framework.security import redact_multirun_master
+
         self._check(config)
+        redact_multirun_master(config)  # the sweeper saves it next, as multirun.yaml
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from framework.security import write_hydra_record
+
+        record = Path(config.hydra.runtime.output_dir, self.output_subdir or ".")
+        # A resumed run dir keeps the record of the command that created it: a resume that is
+        # then refused must not have changed anything.
+        if self.output_subdir is not None and not (record / "config.yaml").exists():
+            write_hydra_record(config, record)
 
     @staticmethod
     def _check(config: DictConfig) -> None:
         try:
             validate(config)
+            _require(
+                config.hydra.output_subdir is None,
+                f"hydra.output_subdir={config.hydra.output_subdir} would make Hydra write its "
+                "records with secrets unredacted: leave it null and set "
+                "hydra.callbacks.validate.output_subdir instead",
+            )
         except ConfigError as error:
             if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 says it once
                 raise SystemExit(2) from None

@@ -6,6 +6,7 @@ so bringing your own dataset is one YAML file pointing at it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,23 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way through: a resumed run sees exactly
+    the samples the interrupted one had not reached, in the same order."""
+
+    skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.skip)
+
+
 def _loader_options(data_cfg, device: torch.device) -> dict:
     workers = data_cfg["num_workers"]
     return {
@@ -124,8 +142,8 @@ def _loader_options(data_cfg, device: torch.device) -> dict:
 
 def train_loader(
     dataset: Dataset, data_cfg, env: DistEnv, seed: int, device: torch.device
-) -> tuple[DataLoader, DistributedSampler]:
-    sampler = DistributedSampler(
+) -> tuple[DataLoader, ResumableSampler]:
+    sampler = ResumableSampler(
         dataset,
         num_replicas=env.world_size,
         rank=env.rank,

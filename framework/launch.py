@@ -7,13 +7,16 @@ config again. `local` spawns processes itself; `torchrun` hands them to torch's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import multiprocessing.connection as mp_connection
 import os
-import sys
-import traceback
+import signal
+import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,9 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig
 
-from framework.config import ConfigError, ReportedConfigError
 from framework.distributed import DistEnv
 from framework.train import run
+from framework.workers import ReportedStop, raise_for_exit_codes, run_worker
+
+EXIT_GRACE_S = 3.0  # after a rank fails: time for the others to exit before SIGTERM, then SIGKILL
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -40,23 +45,72 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     return json.loads(summary_file.read_text()) if summary_file.exists() else None
 
 
+def stop_signal_names(cfg: DictConfig) -> list[str]:
+    return sorted({*cfg.trainer.stop_signals, "SIGINT"})
+
+
 # --- launcher=local: torch.multiprocessing spawn, rendezvous on a store this process hosts ----
 def _launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
-    # After a rank fails, spawn's "Terminating process ... via SIGTERM" only adds noise: the
-    # failing rank has printed why.
+    # After a rank fails, spawn's "Terminating process ... via SIGTERM" only adds noise.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     # Port 0: the OS picks a free port, so concurrent runs and tests never collide.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = mp.start_processes(
+        _local_worker,
+        args=(cfg, run_dir, store.port, nproc),
+        nprocs=nproc,
+        join=False,
+        start_method="spawn",
+    )
+    with _forward_signals(stop_signal_names(cfg), [p.pid for p in context.processes]):
+        victims = _wait_for_ranks(context.processes)
+    raise_for_exit_codes([process.exitcode for process in context.processes], victims)
+
+
+def _wait_for_ranks(processes: list) -> set[int]:
+    """Wait for every rank. Once one fails, the others get EXIT_GRACE_S to exit on their own,
+    then SIGTERM, then SIGKILL as long after: no process is left behind. Returns the ranks
+    this function had to stop (their exit codes are consequences, not causes)."""
+    failed_at: float | None = None
+    victims: set[int] = set()
+    while alive := [p for p in processes if p.exitcode is None]:
+        mp_connection.wait([p.sentinel for p in alive], timeout=0.5)
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in processes):
+            failed_at = time.monotonic()
+        if failed_at is None:
+            continue
+        waited = time.monotonic() - failed_at
+        for rank, process in enumerate(processes):
+            if process.exitcode is not None or waited <= EXIT_GRACE_S:
+                continue
+            if waited > 2 * EXIT_GRACE_S:
+                process.kill()
+            elif rank not in victims:
+                process.terminate()
+            victims.add(rank)
+    for process in processes:
+        process.join()
+    return victims
+
+
+@contextlib.contextmanager
+def _forward_signals(names: list[str], pids: list[int]) -> Iterator[None]:
+    """Signals sent to the launcher reach every rank (ranks count repeats once)."""
+
+    def forward(signum: int, frame: object) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {}
+    for name in names:
+        signum = getattr(signal, name)
+        previous[signum] = signal.signal(signum, forward)
     try:
-        mp.start_processes(
-            _local_worker,
-            args=(cfg, run_dir, store.port, nproc),
-            nprocs=nproc,
-            join=True,
-            start_method="spawn",
-        )
-    except mp.ProcessExitedException as error:
-        _raise_worker_failure(error.error_index, error.exit_code)
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int) -> None:
@@ -66,36 +120,12 @@ def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, np
     )  # fmt: skip
     timeout = timedelta(seconds=cfg.dist.timeout_s)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    _run_reporting_config_errors(cfg, run_dir, env, store)
-
-
-CONFIG_REJECTED = 2  # a worker's exit code for "the config is wrong, message printed"
-
-
-def _run_reporting_config_errors(cfg, run_dir, env, store=None) -> None:
-    """Each worker reports its own failure: when rank 0 dies, the launcher would otherwise
-    show only another rank's "connection closed by peer"."""
-    try:
-        run(cfg, run_dir, env, store)
-    except ConfigError as error:
-        if env.is_main:
-            print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(CONFIG_REJECTED) from None
-    except Exception:
-        print(f"rank {env.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-
-
-def _raise_worker_failure(rank: int, exit_code: int) -> None:
-    if exit_code == CONFIG_REJECTED:
-        raise ReportedConfigError(f"rank {rank} rejected the config") from None
-    raise WorkerFailed(
-        f"rank {rank} failed with exit code {exit_code} (its output is above)"
-    ) from None
+    run_worker(cfg, run_dir, env, store)
 
 
 # --- launcher=torchrun: torch.distributed's elastic agent, in this process ---------------------
 def _launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -113,20 +143,23 @@ def _launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         max_restarts=launcher.max_restarts,
         monitor_interval=launcher.monitor_interval_s,
         start_method="spawn",
+        # The agent passes these on to the ranks; by default it dies on SIGUSR1/2 instead and
+        # leaves its workers running.
+        signals_to_handle=",".join(stop_signal_names(cfg)),
     )
     try:
         elastic_launch(config, _elastic_worker)(cfg, run_dir)
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        _raise_worker_failure(rank, failure.exitcode)
+        codes = [0] * (launcher.nproc_per_node * launcher.nnodes)
+        for rank, failure in error.failures.items():
+            codes[rank] = failure.exitcode
+        raise_for_exit_codes(codes)
+    except SignalException as error:  # the agent waited for the ranks to save and stop
+        raise ReportedStop(signal.Signals(error.sigval).name) from None
 
 
 def _elastic_worker(cfg: DictConfig, run_dir: Path) -> None:
     # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra,
     # so this rank must not wait for another rank's config the way an external torchrun does.
     env = dataclasses.replace(DistEnv.from_environ(), source="elastic")
-    _run_reporting_config_errors(cfg, run_dir, env)
-
-
-class WorkerFailed(RuntimeError):
-    """A rank died; its own output above says why."""
+    run_worker(cfg, run_dir, env)

@@ -67,9 +67,18 @@ def wandb_has_credentials() -> bool:
 class WandbSink(NullSink):
     """One W&B run per job, created on rank 0 only; offline without credentials."""
 
-    def __init__(self, cfg: dict, run_dir: Path, config: dict) -> None:
+    def __init__(self, cfg: dict, run_dir: Path, config: dict, run_id: str | None = None) -> None:
+        import sys
+
         import wandb  # imported here: costs ~1 s and only rank 0 with logger=wandb needs it
 
+        from framework.security import known_secrets, redact
+
+        secrets = known_secrets()
+        # W&B stores sys.argv in the run's metadata. main() hides secret overrides; should a
+        # known secret still be in argv (another entry point), the metadata is left out.
+        argv_leaks = redact(sys.argv, secrets) != sys.argv
+        settings = wandb.Settings(save_code=False, x_disable_meta=argv_leaks)
         mode = os.environ.get("WANDB_MODE") or cfg["mode"]
         if mode == "auto":
             mode = "online" if wandb_has_credentials() else "offline"
@@ -80,8 +89,12 @@ class WandbSink(NullSink):
             tags=list(cfg["tags"]),
             name=run_dir.name,
             dir=str(run_dir),
-            config=config,
+            config=redact(config, secrets),  # the caller redacted it; W&B must never get one
             mode=mode,
+            settings=settings,
+            # The id is saved in checkpoints: a resumed or restarted run continues this W&B run.
+            id=run_id,
+            resume="allow" if run_id else None,
         )
         if mode == "offline":
             log.info(
@@ -116,12 +129,14 @@ class FanOut(NullSink):
             sink.close()
 
 
-def build_sink(is_main: bool, logger_cfg: dict, run_dir: Path, config: dict) -> MetricSink:
+def build_sink(
+    is_main: bool, logger_cfg: dict, run_dir: Path, config: dict, run_id: str | None = None
+) -> MetricSink:
     if not is_main:
         return NullSink()
     sinks: list[MetricSink] = [ConsoleSink(), JsonlSink(run_dir)]
     if logger_cfg["name"] == "wandb":
-        sinks.append(WandbSink(logger_cfg, run_dir, config))
+        sinks.append(WandbSink(logger_cfg, run_dir, config, run_id))
     return FanOut(sinks)
 
 
@@ -130,12 +145,16 @@ def setup_logging(is_main: bool, rank: int, run_dir: Path | None) -> None:
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
+    from framework.security import SecretFilter  # imported here: it imports framework.config
+
     fmt = logging.Formatter(f"[%(asctime)s][rank {rank}] %(message)s", datefmt="%H:%M:%S")
     console = logging.StreamHandler()
     console.setFormatter(fmt)
+    console.addFilter(SecretFilter())  # a secret in a message or traceback is redacted
     root.addHandler(console)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     if is_main and run_dir is not None:
         file_handler = logging.FileHandler(run_dir / "train.log")
         file_handler.setFormatter(fmt)
+        file_handler.addFilter(SecretFilter())
         root.addHandler(file_handler)

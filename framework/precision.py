@@ -19,6 +19,7 @@ class Precision:
     """fp32: the reference; subclasses change only what differs."""
 
     name = "fp32"
+    skips_nonfinite_grads = False  # True where the step itself skips inf/NaN gradients
 
     def __init__(self, device: torch.device, **_: Any) -> None:
         self.device = device
@@ -61,6 +62,7 @@ class BF16(Precision):
 
 class AMP(Precision):
     name = "amp"
+    skips_nonfinite_grads = True
 
     def __init__(
         self,

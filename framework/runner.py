@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,13 +19,23 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from framework.checkpoint import Checkpointer, check_model_keys, restore_rng, rng_state
 from framework.comm import Comm
+from framework.data import ResumableSampler
 from framework.distributed import DistEnv, all_reduce_sum
 from framework.metrics import MetricSink
 from framework.precision import Precision
+from framework.stopping import (
+    NONFINITE_GRADS,
+    NONFINITE_LOSS,
+    NonFiniteLoss,
+    StepAgreement,
+    StopRun,
+    Verdict,
+)
 
 log = logging.getLogger("framework")
 
@@ -36,6 +48,7 @@ class TrainState:
     epoch: int = 0
     samples_seen: int = 0
     train_seconds: float = 0.0
+    nonfinite_skipped: int = 0
 
 
 def micro_batch_groups(loader: Iterable, size: int) -> Iterator[list]:
@@ -58,11 +71,13 @@ class Runner:
         precision: Precision,
         comm: Comm,
         train_loader: DataLoader,
-        train_sampler: DistributedSampler,
+        train_sampler: ResumableSampler,
         val_loader: DataLoader,
         sink: MetricSink,
         trainer_cfg: Any,
         global_batch_size: int,
+        agreement: StepAgreement,
+        checkpointer: Checkpointer,
         ema: AveragedModel | None = None,
     ) -> None:
         self.env, self.device = env, device
@@ -78,23 +93,32 @@ class Runner:
         self.global_batch_size = global_batch_size
         self.steps_per_epoch = len(train_loader) // trainer_cfg.grad_accum
         self.total_steps = planned_steps(trainer_cfg, self.steps_per_epoch)
+        self.agreement, self.checkpointer = agreement, checkpointer
         self.state = TrainState()
+        self.window = _Window(device)
+        self._resumed_rank_state: dict[str, Any] | None = None
+        self._epoch_generator_state = train_loader.generator.get_state()
 
     # --- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         started = time.perf_counter()
         progress = tqdm(
             total=self.total_steps,
+            initial=self.state.step,
             desc="train",
             disable=not (self.env.is_main and self.cfg.progress_bar and sys.stderr.isatty()),
         )
-        window = _Window(self.device)
-        while not self.finished():
-            self.train_sampler.set_epoch(self.state.epoch)  # a new shuffle, same on every rank
-            for micro_batches in micro_batch_groups(self.train_loader, self.cfg.grad_accum):
+        window = self.window
+        window.resume()
+        final_save = self.checkpointer.cfg.final
+        stop_signal = None
+        while not self.finished() and stop_signal is None:
+            for micro_batches in micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum):
                 lr = self.optimizer.param_groups[0]["lr"]
-                window.add(self.train_step(micro_batches))
+                loss, verdict = self.train_step(micro_batches)
                 self.state.step += 1
+                if not verdict.nonfinite:  # a skipped step has no loss worth averaging
+                    window.add(loss)
                 progress.update()
                 if self.state.step % self.cfg.log_every == 0 or self.finished():
                     self.log_train(window, lr)
@@ -102,17 +126,44 @@ class Runner:
                     window.pause()
                     self.log_eval()
                     window.resume()
-                if self.finished():
+                ending = verdict.stop_signal or self.finished()
+                if self.checkpointer.due(self.state.step) and not (ending and final_save):
+                    self.save_checkpoint()
+                if ending:
+                    stop_signal = verdict.stop_signal
                     break
             else:
                 self.state.epoch += 1
         progress.close()
-        self.state.train_seconds += window.close()
+        self.state.train_seconds += window.pause()
+        if stop_signal:
+            path = self.save_checkpoint() if final_save else None
+            raise StopRun(stop_signal, self.state.step, path and str(path))
+        if final_save:
+            self.save_checkpoint()
         final = self.evaluate()
         return self.summary(final, wall_s=time.perf_counter() - started)
 
-    def train_step(self, micro_batches: list) -> torch.Tensor:
-        """One optimizer step over grad_accum micro-batches; returns the mean loss (on device)."""
+    def _epoch_batches(self) -> Iterator:
+        """This epoch's loader iterator, starting where the (resumed) run stands in it."""
+        done_in_epoch = self.state.step - self.state.epoch * self.steps_per_epoch
+        self.train_sampler.set_epoch(self.state.epoch, skip=done_in_epoch * self.cfg.grad_accum
+                                     * self.train_loader.batch_size)  # fmt: skip
+        generator = self.train_loader.generator
+        resumed = self._resumed_rank_state
+        if resumed is not None:
+            generator.set_state(resumed["loader_generator"])
+        self._epoch_generator_state = generator.get_state()  # iter() below draws from it
+        batches = iter(self.train_loader)
+        if resumed is not None:
+            # After iter(): building the iterator must not consume the restored streams.
+            restore_rng(resumed["rng"])
+            self._resumed_rank_state = None
+        return batches
+
+    def train_step(self, micro_batches: list) -> tuple[torch.Tensor, Verdict]:
+        """One optimizer step over grad_accum micro-batches; returns the mean loss (on device)
+        and what all ranks agreed on (stop signal, non-finite values)."""
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         last = len(micro_batches) - 1
@@ -126,13 +177,40 @@ class Runner:
                     loss = F.cross_entropy(self.model(inputs), targets)
                 self.precision.backward(loss / len(micro_batches))
             loss_sum += loss.detach().float()
-        self.precision.step(self.optimizer, self.module.parameters(), self.cfg.clip_grad_norm)
+        verdict = self.agreement.check(self._status(loss_sum))
+        if verdict.nonfinite:
+            self._nonfinite(verdict)
+        else:
+            self.precision.step(self.optimizer, self.module.parameters(), self.cfg.clip_grad_norm)
+            if self.ema is not None:
+                self.ema.update_parameters(self.module)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update_parameters(self.module)
         self.state.samples_seen += self.global_batch_size
-        return loss_sum / len(micro_batches)
+        return loss_sum / len(micro_batches), verdict
+
+    def _status(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """NONFINITE_LOSS, NONFINITE_GRADS or 0 for this rank, computed on device."""
+        status = torch.where(torch.isfinite(loss_sum), 0, NONFINITE_LOSS)
+        if not self.precision.skips_nonfinite_grads:  # amp's GradScaler handles inf gradients
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            if grads:
+                grads_finite = torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+                status = torch.where(grads_finite, status, status.clamp_min(NONFINITE_GRADS))
+        return status
+
+    def _nonfinite(self, verdict: Verdict) -> None:
+        where = f"non-finite {verdict.nonfinite_where()} at step {self.state.step + 1} (epoch "
+        where += f"{self.state.epoch})"
+        if self.cfg.on_nonfinite == "stop":
+            last = self.checkpointer.last_path
+            saved = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+            raise NonFiniteLoss(
+                f"{where}: stopped without saving; {saved}. Lower optimizer.lr, set "
+                "trainer.clip_grad_norm, or set trainer.on_nonfinite=skip to skip such steps"
+            )
+        self.state.nonfinite_skipped += 1
+        log.warning("%s: update skipped (trainer.on_nonfinite=skip)", where)
 
     def epochs_done(self) -> float:
         return round(self.state.step / max(self.steps_per_epoch, 1), 4)
@@ -160,8 +238,8 @@ class Runner:
     # --- sinks ------------------------------------------------------------------------------
     def log_train(self, window: _Window, lr: float) -> None:
         # The one host sync of a logging step: reduce the window's loss over all ranks.
-        mean_loss = all_reduce_sum(window.loss_sum.clone()).item() / (
-            window.steps * self.env.world_size
+        mean_loss = all_reduce_sum(window.loss_sum.clone()).item() / max(
+            window.steps * self.env.world_size, 1
         )
         steps, seconds = window.steps, window.close()
         self.state.train_seconds += seconds
@@ -171,6 +249,7 @@ class Runner:
             "train/loss": mean_loss,
             "lr": lr,
             "samples_per_s": steps * self.global_batch_size / max(seconds, 1e-9),
+            "train/nonfinite_skipped": self.state.nonfinite_skipped,
             **self.precision.metrics(),
             **self.comm.metrics(),
         }
@@ -180,6 +259,48 @@ class Runner:
         metrics = self.evaluate()
         self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
         return metrics
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        return self.checkpointer.save(self.state.step, self._shared_state, self._rank_state())
+
+    def _shared_state(self) -> dict[str, Any]:
+        """What is identical on every rank (rank 0's copy is saved)."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "trainer": dataclasses.asdict(self.state),
+            "steps_per_epoch": self.steps_per_epoch,
+        }
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What differs per rank: RNG streams, the loader's generator, comm-hook memory, and
+        the loss of the current logging window."""
+        return {
+            "rng": rng_state(),
+            "loader_generator": self._epoch_generator_state,
+            "comm": self.comm.state_dict(),
+            "window": {"loss_sum": self.window.loss_sum.cpu(), "steps": self.window.steps},
+        }
+
+    def load_checkpoint(self, path: Path, payload: dict[str, Any]) -> None:
+        """Restore everything; the RNG streams are applied when fit() rebuilds the iterator."""
+        check_model_keys(path, payload["model"], self.module)
+        self.module.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        self.precision.load_state_dict(payload["precision"])
+        if self.ema is not None and payload["ema"] is not None:
+            self.ema.load_state_dict(payload["ema"])
+        self.state = TrainState(**payload["trainer"])
+        mine = payload["ranks"][self.env.rank]
+        self.comm.load_state_dict(mine["comm"])
+        self.window.loss_sum.copy_(mine["window"]["loss_sum"])
+        self.window.steps = mine["window"]["steps"]
+        self._resumed_rank_state = mine
 
     def summary(self, final: dict[str, float], wall_s: float) -> dict[str, Any]:
         summary = {
@@ -211,9 +332,11 @@ class _Window:
         self.loss_sum += loss
         self.steps += 1
 
-    def pause(self) -> None:
-        """Stop the clock (evaluation time is not training time)."""
+    def pause(self) -> float:
+        """Stop the clock (evaluation time is not training time); returns the seconds."""
         self.seconds += time.perf_counter() - self.started
+        self.started = time.perf_counter()
+        return self.seconds
 
     def resume(self) -> None:
         self.started = time.perf_counter()

@@ -5,15 +5,10 @@ Each option is a partial in config; the runner supplies `optimizer` and `total_s
 
 from __future__ import annotations
 
+import math
+
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import (
-    CosineAnnealingLR,
-    LambdaLR,
-    LinearLR,
-    LRScheduler,
-    SequentialLR,
-    StepLR,
-)
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 
 
 def constant(optimizer: Optimizer, total_steps: int) -> LRScheduler:
@@ -23,15 +18,18 @@ def constant(optimizer: Optimizer, total_steps: int) -> LRScheduler:
 def cosine_with_warmup(
     optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0
 ) -> LRScheduler:
-    """Linear warmup from ~0 to the base lr, then cosine decay to min_lr_ratio * base lr."""
-    base_lr = optimizer.param_groups[0]["lr"]
-    cosine = CosineAnnealingLR(
-        optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=base_lr * min_lr_ratio
-    )
-    if warmup_steps <= 0:
-        return cosine
-    warmup = LinearLR(optimizer, start_factor=1.0 / (warmup_steps + 1), total_iters=warmup_steps)
-    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+    """Linear warmup from ~0 to the base lr, then cosine decay to min_lr_ratio * base lr.
+
+    A closed form of the step (not torch's recursive CosineAnnealingLR): a run resumed with a
+    larger trainer.max_steps follows the longer schedule from where it stands."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
 
 
 def step(

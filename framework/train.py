@@ -7,10 +7,12 @@ resolved config and run directory.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import random
+import secrets
 import shutil
 import sys
 import tempfile
@@ -26,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from framework import data as data_lib
+from framework.checkpoint import Checkpointer, training_settings, trim_metrics
 from framework.comm import build_comm
 from framework.config import ConfigError, exit_with, validate
 from framework.distributed import (
@@ -41,6 +44,9 @@ from framework.distributed import (
 from framework.metrics import build_sink, setup_logging
 from framework.precision import build_precision
 from framework.runner import Runner, planned_steps
+from framework.security import check_command_line, hide_command_line_secrets, redacted_container
+from framework.stopping import NonFiniteLoss, StepAgreement, StopRequests, StopRun
+from framework.workers import CONFIG_REJECTED, FAILED, ReportedStop, WorkerFailed, run_worker
 
 log = logging.getLogger("framework")
 
@@ -76,18 +82,36 @@ def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, A
             "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto "
             "(gloo on CPU) or dist.backend=gloo"
         )
-    with process_group(env, backend, cfg.dist.timeout_s, store):
-        if env.source == "torchrun" and env.distributed:
-            # Every torchrun rank composed its own config; rank 0's is the one that runs.
-            cfg, run_dir = broadcast_object((cfg, run_dir))
-        setup_logging(env.is_main, env.rank, run_dir)
+    # Installed first: a signal during start-up stops the run at its first step.
+    requests = StopRequests(list(cfg.trainer.stop_signals)).install()
+    try:
+        with process_group(env, backend, cfg.dist.timeout_s, store):
+            if env.source == "torchrun" and env.distributed:
+                # Every torchrun rank composed its own config; rank 0's is the one that runs.
+                cfg, run_dir = broadcast_object((cfg, run_dir))
+            setup_logging(env.is_main, env.rank, run_dir)
+            return _train(cfg, run_dir, env, device, backend, requests)
+    except StopRun as stop:
         if env.is_main:
-            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        return _train(cfg, run_dir, env, device, backend)
+            log.warning(
+                "%s. To continue, run the same command with hydra.run.dir=%s", stop, run_dir
+            )
+        raise
+    except NonFiniteLoss as error:
+        if env.is_main:
+            log.error("%s", error)
+        raise
+    finally:
+        requests.uninstall()
 
 
 def _train(
-    cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device, backend: str
+    cfg: DictConfig,
+    run_dir: Path,
+    env: DistEnv,
+    device: torch.device,
+    backend: str,
+    requests: StopRequests,
 ) -> dict[str, Any] | None:
     t = cfg.trainer
     global_batch_size = cfg.data.batch_size * env.world_size * t.grad_accum
@@ -130,6 +154,7 @@ def _train(
 
     precision = build_precision(cfg.precision, device)
     comm = build_comm(cfg.comm, env)
+    comm.guard_nonfinite = t.on_nonfinite == "skip"
     comm.attach(model, module, grad_scale=precision.loss_scale)
 
     lr = scaled_lr(cfg.optimizer, global_batch_size)
@@ -139,16 +164,41 @@ def _train(
     total_steps = planned_steps(t, steps_per_epoch=len(train_loader) // t.grad_accum)
     scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=total_steps)
 
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, training_settings(cfg))
+    resumed = checkpointer.find_resume()
+    if resumed and resumed[1]["step"] >= total_steps and (run_dir / "summary.json").exists():
+        log.info(
+            "%s is complete at step %d (the planned %d steps): nothing to do; raise "
+            "trainer.max_steps or trainer.max_epochs to train further", run_dir,
+            resumed[1]["step"], total_steps,
+        )  # fmt: skip
+        return _read_summary(run_dir) if env.is_main else None
+    if env.is_main:  # written once the run is accepted: a refused resume changes nothing
+        OmegaConf.save(OmegaConf.create(redacted_container(cfg)), run_dir / "config.yaml")
+    if env.is_main and resumed:
+        dropped = trim_metrics(run_dir / "metrics.jsonl", resumed[1]["step"])
+        if dropped:
+            log.info("metrics.jsonl: %d events after step %d dropped; they are re-run",
+                     dropped, resumed[1]["step"])  # fmt: skip
+    checkpointer.wandb_run_id = (resumed and resumed[1]["wandb_run_id"]) or new_wandb_id()
+
     sink = build_sink(
-        env.is_main, cfg.logger, run_dir, OmegaConf.to_container(cfg, enum_to_str=True)
-    )
+        env.is_main, cfg.logger, run_dir, redacted_container(cfg),
+        run_id=checkpointer.wandb_run_id,
+    )  # fmt: skip
     try:
         runner = Runner(
             env=env, device=device, model=model, module=module, optimizer=optimizer,
             scheduler=scheduler, precision=precision, comm=comm, train_loader=train_loader,
             train_sampler=train_sampler, val_loader=val_loader, sink=sink, trainer_cfg=t,
-            global_batch_size=global_batch_size, ema=ema,
+            global_batch_size=global_batch_size, agreement=StepAgreement(env, device, requests),
+            checkpointer=checkpointer, ema=ema,
         )  # fmt: skip
+        if resumed:
+            path, payload = resumed
+            runner.load_checkpoint(path, payload)
+            log.info("resumed from %s at step %d (epoch %d)", path, runner.state.step,
+                     runner.state.epoch)  # fmt: skip
         summary = runner.fit()
     finally:
         sink.close()
@@ -162,8 +212,20 @@ def _train(
     return None
 
 
+def new_wandb_id() -> str:
+    """W&B run ids are short lowercase alphanumerics; saved in checkpoints for resume."""
+    return secrets.token_hex(4)
+
+
+def _read_summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def discard_run_files(run_dir: Path) -> None:
-    """After a rejected config: remove what this run wrote, and the dir if nothing else is in it."""
+    """After a rejected config: remove what this run wrote, and the dir if nothing else is in it.
+    A run dir that holds an earlier run (a refused resume) keeps everything."""
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        return
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
     for name in ("config.yaml", "train.log"):
         (run_dir / name).unlink(missing_ok=True)
@@ -175,37 +237,67 @@ def discard_run_files(run_dir: Path) -> None:
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+THROWAWAY_PREFIX = "framework-rank"  # the temporary Hydra dir of torchrun ranks > 0
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_app(cfg: DictConfig) -> float | None:
     """Hydra's task function: validated, resolved once, then handed to the launcher."""
     # Imported here: launch imports this module, and workers need no multiprocessing setup.
-    from framework.launch import WorkerFailed, launch
+    from framework.launch import launch
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
         OmegaConf.resolve(cfg)
         if started_by_torchrun():
-            env = DistEnv.from_environ()
-            summary = run(cfg, run_dir, env)
+            summary = _run_torchrun_rank(cfg, run_dir)
         else:
             summary = launch(cfg, run_dir)
     except ConfigError as error:
         discard_run_files(run_dir)
         exit_with(error)
-    except WorkerFailed as error:  # the failing rank printed its own traceback
-        exit_with(error, code=1)
+    except (StopRun, ReportedStop) as stop:  # rank 0 said where the checkpoint is
+        raise SystemExit(stop.exit_code) from None
+    except NonFiniteLoss:  # rank 0 said where it happened
+        raise SystemExit(FAILED) from None
+    except WorkerFailed as error:
+        exit_with(error, code=FAILED)
     return None if summary is None else summary["val/accuracy"]
 
 
+def _run_torchrun_rank(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """A rank started by an external torchrun: exit codes as for our own launchers."""
+    if run_dir.name.startswith(THROWAWAY_PREFIX):
+        # Rank > 0: Hydra needed a dir; this rank adopts rank 0's. Gone now, so a rank that is
+        # killed later leaves nothing behind.
+        shutil.rmtree(run_dir, ignore_errors=True)
+    try:
+        return run_worker(cfg, run_dir, DistEnv.from_environ())
+    except SystemExit as exit_:
+        if exit_.code == CONFIG_REJECTED:
+            discard_run_files(run_dir)
+        raise
+
+
 def main() -> None:
+    # Hydra instantiates its own node (callbacks, launcher, sweeper, logging factories) before
+    # any callback of ours can look at it: check the command line before Hydra starts.
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as error:
+        if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 says it once
+            raise SystemExit(2) from None
+        exit_with(error)
+    # Secrets typed as overrides move to environment variables: Hydra's records, its console
+    # log and W&B's copy of argv then hold ${oc.env:NAME}, never the value.
+    sys.argv[1:] = hide_command_line_secrets(sys.argv[1:], os.environ)
     cleanup_dir = None
     if started_by_torchrun() and os.environ.get("RANK", "0") != "0":
-        # Ranks > 0 compose the same config but adopt rank 0's; Hydra gets a throwaway dir.
-        cleanup_dir = tempfile.mkdtemp(prefix="framework-rank")
-        sys.argv += [f"hydra.run.dir={cleanup_dir}", "hydra.output_subdir=null"]
+        # Ranks > 0 compose the same config but adopt rank 0's; Hydra gets a throwaway dir, and
+        # no record of the job is written.
+        cleanup_dir = tempfile.mkdtemp(prefix=THROWAWAY_PREFIX)
+        sys.argv += [f"hydra.run.dir={cleanup_dir}", "hydra.callbacks.validate.output_subdir=null"]
     try:
         hydra_app()
     finally:

@@ -133,3 +133,17 @@ def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     for index, (cfg, run_dir) in enumerate(jobs):
         run(cfg, run_dir, env, dist.PrefixStore(f"job{index}", store))
+
+
+# --- fault tests: tiny 2-rank runs with a fault from FRAMEWORK_TEST_FAULT (tests/faults.py) ----
+FAULTS = (f"hydra.searchpath=[file://{REPO / 'tests' / 'conf'}]", "experiment=faults")
+FAULT_COMMS = {"allreduce": (), "powersgd": ("comm=powersgd", "comm.start_iter=3")}
+
+
+@pytest.fixture(scope="session")
+def fault_references(tmp_path_factory) -> dict[str, Path]:
+    """Uninterrupted runs of the fault experiment, one per comm, in one pair of processes."""
+    root = tmp_path_factory.mktemp("reference")
+    jobs = [(make_cfg(*FAULTS, *extra), root / name) for name, extra in FAULT_COMMS.items()]
+    train_many(jobs)
+    return {name: run_dir for name, (_, run_dir) in zip(FAULT_COMMS, jobs, strict=True)}

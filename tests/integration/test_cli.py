@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import DIST_ENV_VARS, REPO, read_metrics, run_cli, train_losses
 
@@ -39,7 +40,12 @@ def test_default_experiment_reaches_95_percent_in_under_a_minute_and_only_rank_0
     assert len(list(tmp_path.rglob("summary.json"))) == 1
     assert "[rank 1]" not in result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".hydra", "config.yaml", "metrics.jsonl", "summary.json", "train.log"]  # fmt: skip
+        ".hydra", "checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "train.log",
+    ]
+    # The final checkpoint; a single process loads the bare model from it for inference.
+    final = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert final["step"] == summary["steps"]
+    assert not any(key.startswith("module.") for key in final["model"])
 
 
 def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(tmp_path):
@@ -132,10 +138,11 @@ def test_bad_input_exits_nonzero_with_one_clear_message_and_no_run_dir(tmp_path,
     assert not (tmp_path / "outputs").exists()
 
 
-def test_an_existing_run_dir_is_refused_and_left_untouched(tmp_path):
+def test_an_existing_run_dir_without_checkpoints_is_refused_and_left_untouched(tmp_path):
+    """(One with checkpoints is resumed instead: tests/integration/test_faults.py.)"""
     run_dir = tmp_path / "run"
     first = run_cli("trainer.max_steps=2", "launcher.nproc_per_node=1", f"hydra.run.dir={run_dir}",
-                    cwd=tmp_path)  # fmt: skip
+                    "checkpoint.final=false", cwd=tmp_path)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     second = run_cli("trainer.max_steps=5", f"hydra.run.dir={run_dir}", cwd=tmp_path)

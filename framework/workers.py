@@ -1,0 +1,127 @@
+"""How a rank ends, as an exit code, and how a launcher turns the ranks' codes back into one
+root cause.
+
+A rank that knows the cause prints it (a traceback for a bug, one line otherwise). A rank that
+only lost its peers exits quietly with PEER_LOST: printing "connection closed by peer" from
+every survivor would bury the one message that matters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+from omegaconf import DictConfig
+
+from framework.config import ConfigError, ReportedConfigError
+from framework.distributed import DistEnv
+from framework.stopping import INTERRUPTED, STOPPED, NonFiniteLoss, StopRun
+
+FAILED = 1  # a bug or a fault; this rank printed its traceback or message
+CONFIG_REJECTED = 2  # the config is wrong; rank 0 printed why
+PEER_LOST = 3  # another rank vanished mid-collective; that rank (or the launcher) says why
+COLLECTIVE_TIMEOUT = 4  # no answer within dist.timeout_s; this rank printed one line
+
+_PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                      "Connection refused", "connectFullMesh")  # fmt: skip
+_TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
+
+
+class WorkerFailed(RuntimeError):
+    """The job failed; the message names the root-cause rank."""
+
+
+class ReportedStop(Exception):
+    """The ranks stopped on a signal with a checkpoint (rank 0 said so)."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.exit_code = INTERRUPTED if signal_name == "SIGINT" else STOPPED
+
+
+def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict | None:
+    """One rank of a multi-process job: run() and return its summary, or leave with an exit
+    code that the launcher reads."""
+    from framework.train import run  # imported late: train's app imports this module
+
+    try:
+        return run(cfg, run_dir, env, store)
+    except ConfigError as error:
+        if env.is_main:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_REJECTED) from None
+    except StopRun as stop:  # rank 0 logged where the checkpoint is
+        raise SystemExit(stop.exit_code) from None
+    except NonFiniteLoss:  # rank 0 logged where it happened
+        raise SystemExit(FAILED) from None
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a checkpoint
+        raise SystemExit(INTERRUPTED) from None
+    except Exception as error:  # noqa: BLE001 (every failure becomes an exit code)
+        _exit_now(_report_failure(error, env, cfg.dist.timeout_s))
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Leave without the interpreter's shutdown. After a collective timed out, gloo's worker
+    thread may still hold the timed-out work and need the GIL to drop it, while shutdown waits:
+    seen as a rank that never exits. The run's files are closed by now (sinks close in
+    `finally`); streams and log handlers are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _report_failure(error: Exception, env: DistEnv, timeout_s: float) -> int:
+    text = str(error)
+    if any(marker in text for marker in _PEER_LOST_MARKERS):
+        return PEER_LOST
+    if any(marker in text for marker in _TIMEOUT_MARKERS):
+        print(
+            f"error: rank {env.rank} waited dist.timeout_s={timeout_s:g} s in a collective "
+            "without an answer: another rank hung or died (raise dist.timeout_s if a step or "
+            "a save legitimately takes longer)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return COLLECTIVE_TIMEOUT
+    print(f"rank {env.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    return FAILED
+
+
+def raise_for_exit_codes(codes: list[int | None], victims: set[int] | frozenset = frozenset()
+                         ) -> None:  # fmt: skip
+    """Turn every rank's exit code into nothing (all 0) or one exception naming the cause.
+
+    Negative codes are deaths by signal (multiprocessing's convention). `victims` are ranks
+    the launcher stopped after another failed: never the cause."""
+    if all(code == 0 for code in codes):
+        return
+    causes = [(rank, code) for rank, code in enumerate(codes) if rank not in victims]
+    if any(code == CONFIG_REJECTED for _, code in causes):
+        raise ReportedConfigError("a rank rejected the config")
+    stopped = [code for _, code in causes if code in (STOPPED, INTERRUPTED)]
+    if stopped and all(code in (STOPPED, INTERRUPTED, 0) for _, code in causes):
+        raise ReportedStop("SIGINT" if INTERRUPTED in stopped else "SIGTERM")
+    for wanted, describe in (
+        (lambda c: c == FAILED, "failed (its output is above)"),
+        (lambda c: c is not None and c < 0, None),
+        (lambda c: c == COLLECTIVE_TIMEOUT, "timed out in a collective (see above)"),
+        (lambda c: c == PEER_LOST, "lost contact with the other ranks"),
+        (lambda c: c != 0, None),
+    ):
+        for rank, code in causes or list(enumerate(codes)):
+            if wanted(code):
+                raise WorkerFailed(f"rank {rank} {describe or _describe(code)}")
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"

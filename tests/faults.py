@@ -1,0 +1,82 @@
+"""Faults injected into real training processes, for the fault-tolerance tests.
+
+FRAMEWORK_TEST_FAULT=<kind>:<rank>:<step> makes that rank act at its <step>-th training
+forward (1-based; with grad_accum=1 that is optimizer step <step>):
+  nan             its loss turns NaN
+  hang            it sleeps (outside any collective) until killed
+  kill            SIGKILL to itself; only in the first attempt of a torchrun job
+  SIGxxx          that signal to itself
+  parent-SIGxxx   that signal to its parent (the launcher or the torchrun agent)
+  group-SIGINT    SIGINT to its whole process group, as a terminal's Ctrl-C does
+The variable is read when the model is built, so a resumed run without it runs clean.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from framework.models import MLP
+
+FAULT_ENV = "FRAMEWORK_TEST_FAULT"
+
+
+class FaultyMLP(MLP):
+    """framework.models.MLP plus input noise from all three RNGs (python, numpy, torch dropout),
+    so a resume that restores any stream wrongly changes the losses; and the injected fault."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault = os.environ.get(FAULT_ENV)
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            noise = (random.random() + float(np.random.rand())) * 1e-3
+            x = F.dropout(x + noise, p=0.1)
+            self.calls += 1
+            if self.fault and self._due():
+                kind = self.fault.split(":")[0]
+                if kind == "nan":
+                    return super().forward(x) * float("nan")
+                _act(kind)
+        return super().forward(x)
+
+    def _due(self) -> bool:
+        _, rank, step = self.fault.split(":")
+        this_rank = dist.get_rank() if dist.is_initialized() else 0
+        return this_rank == int(rank) and self.calls == int(step)
+
+
+def _act(kind: str) -> None:
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    if kind == "kill":
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    if kind.startswith("parent-"):
+        os.kill(os.getppid(), getattr(signal, kind.removeprefix("parent-")))
+    elif kind.startswith("group-"):
+        os.killpg(os.getpgrp(), getattr(signal, kind.removeprefix("group-")))
+    else:
+        os.kill(os.getpid(), getattr(signal, kind))
+    time.sleep(0.2)  # let the signal land before this step's agreement
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"weights differ: {different}"

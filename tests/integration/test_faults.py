@@ -1,0 +1,191 @@
+"""Faults as users meet them: real signals, a killed rank under torchrun, a hung rank, a NaN,
+Ctrl-C. Each is a real multi-process job started from the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.stopping import INTERRUPTED, STOPPED
+from tests.conftest import DIST_ENV_VARS, FAULTS, REPO, read_metrics, run_cli
+from tests.faults import FAULT_ENV, assert_same_weights, final_weights
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention `text` (a test's unique tmp path)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in line and "pytest" not in line:
+            found.append(line)
+    return found
+
+
+def torchrun_script(*args: str, cwd: Path, fault: str | None, timeout: float = 240):
+    """launchers/torchrun.sh as a user runs it (its `python` is this environment's)."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env["PYTHONPATH"] = str(REPO)
+    if fault:
+        env[FAULT_ENV] = fault
+    return subprocess.run(["bash", str(REPO / "launchers" / "torchrun.sh"), *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def test_torchrun_restarts_after_a_rank_is_sigkilled_and_ends_with_the_uninterrupted_weights(
+    tmp_path, fault_references
+):
+    result = torchrun_script(*FAULTS, cwd=tmp_path, fault="kill:1:11")
+    assert result.returncode == 0, result.stderr[-4000:]
+    # One run dir, named by the rendezvous id: the restarted rank 0 came back to it.
+    [run_dir] = [p.parent for p in tmp_path.glob("outputs/torchrun/*/config.yaml")]
+    assert "resumed from" in result.stderr and "step_00000008.pt" in result.stderr
+    assert_same_weights(final_weights(run_dir), final_weights(fault_references["allreduce"]))
+    assert not processes_mentioning(str(tmp_path))
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_same_command_resumes(
+    tmp_path, fault_references
+):
+    """...into the same metrics.jsonl and the same W&B run."""
+    args = (*FAULTS, f"hydra.run.dir={tmp_path / 'run'}", "logger=wandb")
+    env = {"WANDB_MODE": "offline", FAULT_ENV: "parent-SIGTERM:0:9"}
+    stopped = run_cli(*args, cwd=tmp_path, env=env)
+    assert stopped.returncode == STOPPED, stopped.stderr[-3000:]
+    assert "stopped on SIGTERM at step 9" in stopped.stderr
+    assert f"hydra.run.dir={tmp_path / 'run'}" in stopped.stderr  # how to continue
+    assert "Traceback" not in stopped.stderr
+    run_dir = tmp_path / "run"
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 9
+
+    resumed = run_cli(*args, cwd=tmp_path, env={"WANDB_MODE": "offline", FAULT_ENV: None})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(final_weights(run_dir), final_weights(fault_references["allreduce"]))
+    assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e] == list(range(1, 31))
+    # Two offline segments of one W&B run: `wandb sync` uploads both into the same run.
+    segments = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(segments) == 2
+    assert len({segment.name.rsplit("-", 1)[1] for segment in segments}) == 1
+
+
+def test_a_signal_to_torchrun_reaches_the_ranks_which_save_and_leave_no_process_behind(tmp_path):
+    run_dir = tmp_path / "run"
+    result = torchrun_script(*FAULTS, f"hydra.run.dir={run_dir}", "checkpoint.every=0",
+                             cwd=tmp_path, fault="parent-SIGUSR1:0:9")  # fmt: skip
+    assert result.returncode != 0
+    assert "stopped on SIGUSR1 at step" in result.stderr, result.stderr[-3000:]
+    step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
+    assert 9 <= step < 30
+    time.sleep(1)
+    assert not processes_mentioning(str(tmp_path))
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_message_and_no_process_left(
+    tmp_path,
+):
+    started = time.monotonic()
+    result = run_cli(*FAULTS, f"hydra.run.dir={tmp_path / 'run'}", "dist.timeout_s=5",
+                     cwd=tmp_path, env={FAULT_ENV: "hang:1:3"})  # fmt: skip
+    seconds = time.monotonic() - started
+    assert result.returncode == 1
+    messages = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(messages) == 2, result.stderr[-3000:]  # the cause, then the launcher's summary
+    assert "rank 0 waited dist.timeout_s=5 s in a collective" in messages[0]
+    assert messages[1] == "error: rank 0 timed out in a collective (see above)"
+    assert "Traceback" not in result.stderr
+    # Start-up (~10 s here) + the 5 s timeout + the launcher's grace for the hung rank.
+    assert seconds < 40, seconds
+    assert not processes_mentioning(str(tmp_path))
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_saving_it(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(*FAULTS, f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                     env={FAULT_ENV: "nan:1:6"})  # fmt: skip
+    assert result.returncode == 1
+    assert "non-finite loss on rank(s) 1 at step 6 (epoch 1): stopped without saving" in (
+        result.stderr
+    ), result.stderr[-3000:]
+    assert "step_00000004.pt" in result.stderr  # where to go back to
+    assert "Traceback" not in result.stderr
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.pt"))
+    assert saved == ["step_00000004.pt"]
+    assert max(e["step"] for e in read_metrics(run_dir)) == 5
+
+
+def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    env[FAULT_ENV] = "group-SIGINT:0:7"  # like a terminal: the launcher and every rank get it
+    process = subprocess.Popen(
+        [sys.executable, "-m", "framework.train", *FAULTS, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == INTERRUPTED, stderr[-3000:]
+    assert "stopped on SIGINT at step 7" in stderr
+    assert "Traceback" not in stderr and "destroy_process_group" not in stderr
+    assert json.loads((run_dir / "checkpoints" / "step_00000007.json").read_text())["step"] == 7
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+def test_a_finished_run_continues_only_with_a_larger_budget_and_refuses_other_settings(tmp_path):
+    run_dir = tmp_path / "run"
+    one_rank = (*FAULTS, f"hydra.run.dir={run_dir}", "launcher.nproc_per_node=1")
+    assert run_cli(*one_rank, "trainer.max_steps=8", cwd=tmp_path).returncode == 0
+    before = snapshot(run_dir)
+
+    again = run_cli(*one_rank, "trainer.max_steps=8", cwd=tmp_path)
+    assert again.returncode == 0 and "is complete at step 8" in again.stderr
+    changed = run_cli(*one_rank, "trainer.max_steps=8", "data.batch_size=16", cwd=tmp_path)
+    assert changed.returncode == 2
+    assert "data.batch_size: 32 in the checkpoint, 16 now" in changed.stderr, changed.stderr
+    assert "Traceback" not in changed.stderr
+    after = snapshot(run_dir)  # only train.log records the two attempts
+    assert {k: v for k, v in after.items() if k != "train.log"} == {
+        k: v for k, v in before.items() if k != "train.log"}  # fmt: skip
+
+    longer = run_cli(*one_rank, "trainer.max_steps=12", cwd=tmp_path)
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert "resumed from" in longer.stderr and "at step 8" in longer.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12
+
+
+def test_an_explicit_checkpoint_that_is_broken_or_from_another_model_is_one_clear_error(tmp_path):
+    source = tmp_path / "source"
+    one_rank = (*FAULTS, "launcher.nproc_per_node=1", "trainer.max_steps=4")
+    assert run_cli(*one_rank, f"hydra.run.dir={source}", cwd=tmp_path).returncode == 0
+    good = source / "checkpoints" / "step_00000004.pt"
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(good.read_bytes()[:1000])
+
+    result = run_cli(*one_rank, f"checkpoint.resume={broken}", f"hydra.run.dir={tmp_path / 'a'}",
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2
+    assert f"error: checkpoint {broken} is unreadable (empty, truncated or corrupted" in (
+        result.stderr
+    )
+    assert not (tmp_path / "a").exists()
+
+    result = run_cli(*one_rank, f"checkpoint.resume={good}", "model.hidden_sizes=[16]",
+                     f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2
+    assert "holds a different model (shape (checkpoint vs model): net.1.bias (32,) vs (16,)" in (
+        result.stderr
+    ), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,98 @@
+"""The CLI refuses targets that would run code, and planted secrets reach neither the run dir
+nor W&B (README: Security)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from framework.security import REDACTED
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+TINY_RUN = ("launcher.nproc_per_node=1", "trainer.max_steps=3", "data=synthetic",
+            "data.train_size=64", "data.val_size=32", "data.in_channels=1",
+            "data.image_size=8")  # fmt: skip
+TOKEN = "PLANTED-SECRET-123"  # a config key that looks like a secret, typed on the command line
+WANDB_KEY = "PLANTED-SECRET-456"  # the environment's WANDB_API_KEY
+ENV_SET_TOKEN = "PLANTED-SECRET-789"  # hydra.job.env_set.MY_TOKEN, a secret in Hydra's node
+
+# Each target would copy src.txt to `marker` or create it (paths relative to the run's cwd).
+REFUSED = [
+    (["+model.evil={_target_:builtins.open,file:marker,mode:w}"],
+     "model.evil._target_=builtins.open is not allowed"),
+    (["+hydra.callbacks.evil={_target_:shutil.copy,src:src.txt,dst:marker}"],
+     "hydra.callbacks.evil._target_=shutil.copy is not allowed"),
+    (["+data.evil={_target_:os.system,command:'touch marker'}"],
+     "data.evil._target_=os.system is not allowed"),
+    (["+hydra.hydra_logging.handlers.evil={\\(\\):shutil.copy,src:src.txt,dst:marker}"],
+     "hydra.hydra_logging.handlers.evil.()=shutil.copy is not allowed"),
+    (["+model.evil={_target_:torchvision.datasets.mnist.shutil.copy,src:src.txt,dst:marker}"],
+     "resolves to shutil.copy"),
+    (["-m", "optimizer.lr=0.1,0.05",
+      "+hydra.callbacks.evil={_target_:shutil.copy,src:src.txt,dst:marker}"],
+     "hydra.callbacks.evil._target_=shutil.copy is not allowed"),
+    (["allowed_targets=[builtins]", "+model.evil={_target_:builtins.open,file:marker,mode:w}"],
+     "allowed_targets cannot be set on the command line"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "expected"), REFUSED, ids=lambda v: str(v))
+def test_a_refused_target_runs_nothing_and_makes_no_run_dir(tmp_path, overrides, expected):
+    (tmp_path / "src.txt").write_text("copied\n")
+    result = run_cli(*overrides, *TINY_RUN, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line
+    assert result.stderr.startswith("error: ") and expected in result.stderr, result.stderr
+    assert not (tmp_path / "marker").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.txt"]  # no outputs/, multirun/
+
+
+def files_holding(root: Path, secrets: list[str]) -> list[Path]:
+    return sorted(
+        path.relative_to(root)
+        for path in root.rglob("*")
+        if path.is_file() and any(secret.encode() in path.read_bytes() for secret in secrets)
+    )
+
+
+def assert_no_file_holds(root: Path, secrets: list[str]) -> None:
+    assert files_holding(root, secrets) == []
+
+
+def test_planted_secrets_reach_neither_the_run_dir_nor_wandb(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {"WANDB_MODE": "offline", "WANDB_API_KEY": WANDB_KEY,
+           "NETRC": str(tmp_path / "no-netrc"),
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}  # fmt: skip
+    result = run_cli(f"+data.api_token={TOKEN}", "logger=wandb", *TINY_RUN,
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for secret in (TOKEN, WANDB_KEY):
+        assert secret not in result.stdout + result.stderr
+    # The files are all there, with the secret key present but redacted.
+    assert OmegaConf.load(run_dir / "config.yaml").data.api_token == REDACTED
+    assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").data.api_token == REDACTED
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == [
+        "config.yaml", "hydra.yaml", "overrides.yaml"]  # fmt: skip
+    [history] = run_dir.glob("wandb/offline-run-*/*.wandb")
+    assert REDACTED.encode() in history.read_bytes()  # W&B got the config, redacted
+    assert (run_dir / "summary.json").exists() and (run_dir / "train.log").exists()
+    assert_no_file_holds(tmp_path, [TOKEN, WANDB_KEY])
+
+
+def test_a_multirun_writes_no_secret_either(tmp_path):
+    result = run_cli("-m", f"+data.api_token={TOKEN}",
+                     f"+hydra.job.env_set.MY_TOKEN={ENV_SET_TOKEN}", "optimizer.lr=0.1",
+                     *TINY_RUN, cwd=tmp_path, env={"WANDB_API_KEY": WANDB_KEY})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    [sweep_dir] = tmp_path.glob("multirun/*/*")
+    assert (sweep_dir / "multirun.yaml").exists() and (sweep_dir / "0" / "summary.json").exists()
+    assert OmegaConf.load(sweep_dir / "multirun.yaml").data.api_token == REDACTED
+    hydra_record = OmegaConf.load(sweep_dir / "0" / ".hydra" / "hydra.yaml")
+    assert hydra_record.hydra.job.env_set.MY_TOKEN == REDACTED
+    for secret in (TOKEN, WANDB_KEY, ENV_SET_TOKEN):
+        assert secret not in result.stdout + result.stderr
+    assert_no_file_holds(tmp_path, [TOKEN, WANDB_KEY, ENV_SET_TOKEN])

@@ -1,0 +1,139 @@
+"""Checkpoint files: atomic writes, verified reads, refusals that name the file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework import checkpoint
+from framework.checkpoint import CheckpointError, check_model_keys, newest_valid, read, write
+from tests.conftest import REPO
+
+
+def payload(step: int, **extra) -> dict:
+    return {"format": checkpoint.FORMAT, "step": step, "model": {"w": torch.full((3,), step)},
+            **extra}  # fmt: skip
+
+
+def test_write_keeps_the_newest_k_and_points_last_at_the_newest(tmp_path):
+    for step in (5, 10, 15, 20):
+        write(tmp_path, step, payload(step), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.pt", "step_00000015.json", "step_00000015.pt", "step_00000020.json",
+        "step_00000020.pt"]  # fmt: skip
+    assert os.readlink(tmp_path / "last.pt") == "step_00000020.pt"
+    # A single process loads the bare model for inference, weights only.
+    loaded = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert torch.equal(loaded["model"]["w"], torch.full((3,), 20))
+
+
+def break_file(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # one flipped byte in the middle: the zip may still read, the checksum does not match
+        middle = len(data) // 2
+        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :])
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "corrupted"])
+def test_a_broken_newest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path, how,
+                                                                            caplog):  # fmt: skip
+    write(tmp_path, 4, payload(4), keep=3)
+    write(tmp_path, 8, payload(8), keep=3)
+    break_file(tmp_path / "step_00000008.pt", how)
+    with pytest.raises(CheckpointError, match=r"step_00000008\.pt is (corrupted|unreadable)"):
+        read(tmp_path / "step_00000008.pt")
+    path, loaded = newest_valid(tmp_path)
+    assert path.name == "step_00000004.pt" and loaded["step"] == 4
+    assert "step_00000008.pt" in caplog.text and "falling back" in caplog.text
+
+
+def test_a_checkpoint_copied_without_its_checksum_file_still_loads_and_is_still_checked(tmp_path):
+    write(tmp_path, 3, payload(3), keep=1)
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes((tmp_path / "step_00000003.pt").read_bytes())
+    assert read(copy)["step"] == 3
+    break_file(copy, "truncated")
+    with pytest.raises(CheckpointError, match="copy.pt is unreadable"):
+        read(copy)
+
+
+class _Exploit:
+    """Unpickling this runs a shell command (what a malicious "checkpoint" does)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "checkpoints" / "step_00000099.pt"
+    evil.parent.mkdir()
+    torch.save({"format": checkpoint.FORMAT, "step": 99, "x": _Exploit(marker)}, evil)
+    with pytest.raises(CheckpointError, match=r"was refused: it holds pickled objects or code"):
+        read(evil)
+    assert not marker.exists()
+    write(evil.parent, 50, payload(50), keep=5)
+    path, _ = newest_valid(evil.parent)  # resume=auto skips it for the previous good one
+    assert path.name == "step_00000050.pt" and not marker.exists()
+
+
+def test_the_exploit_file_really_executes_under_a_plain_unpickler(tmp_path):
+    """Guards the test above against a harmless "malicious" file."""
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"x": _Exploit(marker)}, evil)
+    torch.load(evil, weights_only=False)
+    assert marker.exists()
+
+
+def test_a_file_that_is_not_ours_is_refused(tmp_path):
+    torch.save({"state_dict": {}}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="not a checkpoint written by this framework"):
+        read(tmp_path / "other.pt")
+
+
+def test_a_different_model_gets_one_error_listing_every_mismatched_key(tmp_path):
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).state_dict()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 2), torch.nn.ReLU(),
+                                torch.nn.Linear(2, 2))  # fmt: skip
+    with pytest.raises(CheckpointError) as error:
+        check_model_keys(tmp_path / "x.pt", saved, model)
+    message = str(error.value)
+    assert "missing from the checkpoint: 3.bias, 3.weight" in message
+    assert "0.weight (8, 4) vs (16, 4)" in message and "1.weight (2, 8) vs (2, 16)" in message
+
+
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_valid(tmp_path):
+    write(tmp_path, 1, payload(1), keep=3)
+    script = (
+        "import torch; from framework import checkpoint\n"
+        "w = torch.zeros(100_000_000)  # 400 MB: the kill lands inside torch.save\n"
+        "big = {'format': checkpoint.FORMAT, 'step': 2, 'model': {'w': w}}\n"
+        "print('writing', flush=True)\n"
+        f"checkpoint.write(__import__('pathlib').Path({str(tmp_path)!r}), 2, big, keep=3)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    assert process.stdout.readline().strip() == "writing"
+    time.sleep(0.3)  # inside torch.save of 400 MB
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "step_00000002.pt").exists()
+    assert any(p.name.startswith(".step_00000002.pt.tmp") for p in tmp_path.iterdir())
+    path, loaded = newest_valid(tmp_path)
+    assert path.name == "step_00000001.pt" and loaded["step"] == 1
+    assert os.readlink(tmp_path / "last.pt") == "step_00000001.pt"

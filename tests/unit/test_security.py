@@ -1,0 +1,309 @@
+"""framework/security.py as pure functions: the `_target_` allowlist, the command-line checks,
+secret detection and redaction, and the redacted records written for Hydra."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from framework.config import ConfigError, validate
+from framework.security import (
+    REDACTED,
+    SecretFilter,
+    check_command_line,
+    check_targets,
+    hide_command_line_secrets,
+    is_secret_name,
+    matches_prefix,
+    redact,
+    redact_multirun_master,
+    redacted_container,
+    secret_values,
+    target_problem,
+    write_hydra_record,
+)
+from tests.conftest import CONF_DIR, REPO, make_cfg
+
+SECRET = "PLANTED-SECRET-123"
+FIX = "add the module prefix to allowed_targets in a config file"
+
+
+# --- the allowlist --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "prefixes", "expected"),
+    [
+        ("torch.optim.SGD", ["torch"], True),
+        ("torch", ["torch"], True),
+        ("torchevil.x", ["torch"], False),
+        ("torchvision.models.resnet18", ["torch"], False),
+        ("tests.integration.byo_components.TinyNet", ["tests.integration"], True),
+        ("tests.integrationevil.x", ["tests.integration"], False),
+    ],
+)
+def test_prefixes_match_on_module_boundaries(name, prefixes, expected):
+    assert matches_prefix(name, prefixes) is expected
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "torch.optim.SGD",
+        "torch.optim.lr_scheduler.CosineAnnealingLR",
+        "torchvision.models.resnet18",
+        "framework.models.SmallCNN",
+        "framework.data.digits",
+    ],
+)
+def test_builtin_prefixes_allow_the_usual_targets(target):
+    assert target_problem(target, ["torch", "torchvision", "framework"], FIX) is None
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("builtins.open", "outside the allowed module prefixes"),
+        ("shutil.copy", "outside the allowed module prefixes"),
+        ("os.system", "outside the allowed module prefixes"),
+        ("subprocess.run", "outside the allowed module prefixes"),
+        ("importlib.import_module", "outside the allowed module prefixes"),
+        ("torchevil.nn.Linear", "outside the allowed module prefixes"),
+        # Allowed by name, but really something else: judged by what it resolves to.
+        ("torch.os.system", "resolves to posix.system"),
+        ("torchvision.datasets.mnist.shutil.copy", "resolves to shutil.copy"),
+        # Inside torch, but they load code named by their arguments.
+        ("torch.hub.load", "can load or run arbitrary code"),
+        ("torch.load", "can load or run arbitrary code"),
+        ("torch.utils.cpp_extension.load_inline", "can load or run arbitrary code"),
+    ],
+)
+def test_dangerous_targets_are_refused_with_the_reason(target, expected):
+    problem = target_problem(target, ["torch", "torchvision", "framework"], FIX)
+    assert problem is not None and expected in problem
+
+
+def test_check_targets_names_the_key_the_target_and_the_fix():
+    cfg = make_cfg("+model.evil={_target_:builtins.open,file:marker,mode:w}")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    message = str(error.value)
+    assert "model.evil._target_=builtins.open is not allowed" in message
+    assert FIX in message and "\n" not in message
+
+
+def test_a_target_reached_through_an_interpolation_is_checked_resolved():
+    cfg = make_cfg("+data.name=shutil.copy", "+model.evil._target_=${data.name}")
+    with pytest.raises(ConfigError, match=r"model.evil._target_=shutil.copy"):
+        check_targets(cfg)
+
+
+def test_allowed_targets_from_a_config_adds_a_prefix():
+    byo = REPO / "tests" / "integration" / "byo"
+    cfg = make_cfg(f"hydra.searchpath=[file://{byo}]", "model=my_net", "data=my_data")
+    assert list(cfg.allowed_targets) == ["tests.integration"]
+    validate(cfg)
+    without = OmegaConf.merge(cfg, {"allowed_targets": []})
+    with pytest.raises(ConfigError, match=r"model._target_=tests.integration.byo_components"):
+        check_targets(without)
+
+
+def test_an_invalid_allowed_targets_entry_is_refused():
+    with pytest.raises(ConfigError, match="allowed_targets entry"):
+        check_targets(OmegaConf.create({"allowed_targets": ["not a module"]}))
+
+
+def options(folder: Path) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+SHIPPED = [
+    *(f"{group}={name}" for group in ("model", "data", "optimizer", "scheduler", "logger",
+                                       "launcher", "precision", "comm")
+      for name in options(CONF_DIR / group)),
+    *(f"experiment={name}" for name in options(REPO / "experiments")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("override", SHIPPED)
+def test_every_shipped_option_and_experiment_passes_the_allowlist(override):
+    check_targets(make_cfg(override))
+
+
+# --- the command line -----------------------------------------------------------------------
+REFUSED = [
+    (["+hydra.callbacks.evil._target_=shutil.copy"], "hydra.callbacks.evil._target_=shutil.copy"),
+    (["+hydra.callbacks.evil={_target_:builtins.open,file:x}"], "_target_=builtins.open"),
+    (["-m", "+hydra.callbacks.e._target_=choice(framework.config.ValidateBeforeRun,os.system)"],
+     "_target_=os.system"),
+    (["hydra.launcher._target_=subprocess.Popen"], "_target_=subprocess.Popen"),
+    (["hydra.sweeper._target_=importlib.import_module"], "_target_=importlib.import_module"),
+    (["+hydra.hydra_logging.handlers.evil={\\(\\):shutil.copy,src:a,dst:b}"],
+     "evil.()=shutil.copy"),
+    (["+hydra.job_logging.handlers.evil={class:shutil.copy}"], "evil.class=shutil.copy"),
+    (["+hydra.callbacks.evil._target_=hydra.core.utils.os.system"], "resolves to posix.system"),
+    (["+hydra.callbacks.evil._target_=hydra.utils.instantiate"], "can load or run arbitrary"),
+    (["+hydra.callbacks.evil=${model}"], "interpolations are not allowed"),
+    (["hydra.sweeper.params={+hydra.callbacks.e._target_:shutil.copy}"], "shutil.copy"),
+    (["+hydra.sweeper.params.x=1", "+hydra.sweeper.params.allowed_targets=[os]"],
+     "allowed_targets cannot be set on the command line"),
+    (["allowed_targets=[builtins]"], "allowed_targets cannot be set on the command line"),
+    (["+allowed_targets=[os]"], "allowed_targets cannot be set on the command line"),
+    (["~hydra.callbacks.validate"], "hydra.callbacks.validate cannot be changed"),
+    (["hydra.callbacks.validate._target_=hydra.experimental.callback.Callback"],
+     "hydra.callbacks.validate._target_ cannot be changed"),
+    (["hydra.output_subdir=.hydra"], "hydra.callbacks.validate.output_subdir=.hydra"),
+    (["+hydra.job.env_set.LD_PRELOAD=/tmp/x.so"], "LD_PRELOAD cannot be set"),
+    (["--experimental-rerun", "config.pickle"], "loads a pickle"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "expected"), REFUSED, ids=lambda v: str(v))
+def test_the_command_line_cannot_reach_code_through_hydras_node(argv, expected):
+    with pytest.raises(ConfigError) as error:
+        check_command_line(argv)
+    assert expected in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["hydra/launcher=submitit_slurm", "-m", "optimizer.lr=0.1,0.05"],
+        ["model=resnet18", "+model.x._target_=torchvision.models.resnet18"],  # app: checked later
+        ["+hydra.callbacks.log._target_=hydra.experimental.callbacks.LogJobReturnCallback"],
+        ["hydra.output_subdir=null", "hydra.callbacks.validate.output_subdir=record"],
+        ["+hydra.job.env_set.CUDA_VISIBLE_DEVICES=0", "hydra.run.dir=/tmp/x"],
+        ["--cfg", "job", "trainer.max_steps=3"],
+        ["not a valid override ((("],  # Hydra reports it itself, running nothing
+    ],
+)
+def test_ordinary_command_lines_pass(argv):
+    check_command_line(argv)
+
+
+def test_secret_overrides_move_to_the_environment_and_still_resolve(monkeypatch):
+    environ = {"WANDB_API_KEY": "PLANTED-SECRET-456"}
+    argv = ["-m", "+data.api_token=" + SECRET, "optimizer.lr=0.1",
+            "+logger.note=PLANTED-SECRET-456", "+data.password=a1234567,b1234567"]  # fmt: skip
+    hidden = hide_command_line_secrets(argv, environ)
+    assert hidden[1] == "+data.api_token=${oc.env:FRAMEWORK_SECRET_DATA_API_TOKEN}"
+    assert hidden[3] == "+logger.note=${oc.env:FRAMEWORK_SECRET_LOGGER_NOTE}"  # a known value
+    assert [hidden[i] for i in (0, 2, 4)] == [argv[i] for i in (0, 2, 4)]  # a sweep stays
+    assert environ["FRAMEWORK_SECRET_DATA_API_TOKEN"] == SECRET
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert make_cfg(hidden[1]).data.api_token == SECRET
+
+
+def test_group_selections_keep_their_option_name():
+    environ: dict[str, str] = {}
+    argv = ["db/credentials=prod", "+api_token=abcdefgh"]
+    assert hide_command_line_secrets(argv, environ) == [
+        "db/credentials=prod", "+api_token=${oc.env:FRAMEWORK_SECRET_API_TOKEN}"]  # fmt: skip
+    assert environ == {"FRAMEWORK_SECRET_API_TOKEN": "abcdefgh"}
+
+
+# --- secrets --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name",
+    ["api_key", "WANDB_API_KEY", "data.api_token", "password", "db_passwd", "apiKey",
+     "accessToken", "client_secret", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "credentials.user"],
+)  # fmt: skip
+def test_secret_names(name):
+    assert is_secret_name(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["max_tokens", "tokenizer", "keep", "monkey", "keys", "PWD", "batch_size",
+     "hydra.job.config.override_dirname.exclude_keys", "num_passes", "KEYBOARD"],
+)  # fmt: skip
+def test_names_that_are_not_secret(name):
+    assert not is_secret_name(name)
+
+
+def test_secret_values_come_from_config_keys_and_environment_and_skip_short_ones():
+    cfg = OmegaConf.create({"data": {"api_token": SECRET, "max_tokens": 123456789},
+                            "db": {"password": "abc"},
+                            "auth": {"token": "${data.api_token}"}})  # fmt: skip
+    environ = {"WANDB_API_KEY": "PLANTED-SECRET-456", "HOME": "/root/home-dir",
+               "SSL_KEY_FILE": "/etc/ssl/key.pem", "REDIS_KEY_PREFIX": "myapp-",
+               "GH_TOKEN": "x"}  # fmt: skip
+    assert secret_values(cfg, environ) == {SECRET, "PLANTED-SECRET-456"}
+
+
+def test_redact_replaces_secret_keys_whole_and_secret_values_anywhere():
+    value = {"data": {"api_token": "short-ok", "root": f"/data/{SECRET}/x", "n": 3},
+             "flags": [f"--key={SECRET}", True], "use_token": True, "password": None}  # fmt: skip
+    assert redact(value, {SECRET}) == {
+        "data": {"api_token": REDACTED, "root": f"/data/{REDACTED}/x", "n": 3},
+        "flags": [f"--key={REDACTED}", True], "use_token": True, "password": None,
+    }  # fmt: skip
+    assert redact("abcdef-longer abcdef", {"abcdef", "abcdef-longer"}) == f"{REDACTED} {REDACTED}"
+
+
+def test_redacted_container_is_what_config_yaml_and_wandb_get(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "PLANTED-SECRET-456")
+    cfg = make_cfg(f"+data.api_token={SECRET}", "+logger.note=PLANTED-SECRET-456-suffix")
+    container = redacted_container(cfg)
+    assert container["data"]["api_token"] == REDACTED
+    assert container["logger"]["note"] == f"{REDACTED}-suffix"
+    assert container["optimizer"]["lr_scaling"] == "none"  # enums as strings, as before
+
+
+def test_the_log_filter_redacts_messages_and_tracebacks(monkeypatch):
+    monkeypatch.setenv("MY_SERVICE_TOKEN", SECRET)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(SecretFilter())
+    logger = logging.getLogger("test_security")
+    logger.addHandler(handler)
+    try:
+        logger.warning("connecting with %s", SECRET)
+        try:
+            raise RuntimeError(f"bad token {SECRET}")
+        except RuntimeError:
+            logger.exception("failed")
+    finally:
+        logger.removeHandler(handler)
+    text = stream.getvalue()
+    assert SECRET not in text
+    assert f"connecting with {REDACTED}" in text and f"bad token {REDACTED}" in text
+
+
+# --- Hydra's records ------------------------------------------------------------------------
+def compose_with_hydra(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_hydras_config_leaves_the_record_to_the_callback():
+    cfg = compose_with_hydra()
+    assert cfg.hydra.output_subdir is None
+    assert cfg.hydra.callbacks.validate.output_subdir == ".hydra"
+
+
+def test_the_hydra_record_is_written_redacted(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "PLANTED-SECRET-456")
+    cfg = compose_with_hydra(f"+data.api_token={SECRET}", "+hydra.job.env_set.MY_TOKEN=abcdefgh")
+    write_hydra_record(cfg, tmp_path / ".hydra")
+    files = sorted(p.name for p in (tmp_path / ".hydra").iterdir())
+    assert files == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    for path in (tmp_path / ".hydra").iterdir():
+        text = path.read_text()
+        assert SECRET not in text and "abcdefgh" not in text, path.name
+    assert OmegaConf.load(tmp_path / ".hydra" / "config.yaml").data.api_token == REDACTED
+    overrides = OmegaConf.load(tmp_path / ".hydra" / "overrides.yaml")
+    assert f"+data.api_token={REDACTED}" in overrides
+    assert OmegaConf.load(tmp_path / ".hydra" / "hydra.yaml").hydra.job.env_set.MY_TOKEN == REDACTED
+
+
+def test_the_multirun_master_is_redacted_in_place_but_keeps_the_overrides():
+    cfg = compose_with_hydra(f"+data.api_token={SECRET}", "+hydra.job.env_set.MY_TOKEN=abcdefgh")
+    overrides = list(cfg.hydra.overrides.task)
+    redact_multirun_master(cfg)
+    assert cfg.data.api_token == REDACTED and cfg.hydra.job.env_set.MY_TOKEN == REDACTED
+    assert list(cfg.hydra.overrides.task) == overrides  # the jobs are composed from these
