@@ -28,14 +28,7 @@ from framework.data import ResumableSampler
 from framework.distributed import DistEnv, all_reduce_sum
 from framework.metrics import MetricSink
 from framework.precision import Precision
-from framework.stopping import (
-    NONFINITE_GRADS,
-    NONFINITE_LOSS,
-    NonFiniteLoss,
-    StepAgreement,
-    StopRun,
-    Verdict,
-)
+from framework.stopping import NonFiniteLoss, StepAgreement, StopRun, Verdict
 
 log = logging.getLogger("framework")
 
@@ -117,7 +110,7 @@ class Runner:
                 lr = self.optimizer.param_groups[0]["lr"]
                 loss, verdict = self.train_step(micro_batches)
                 self.state.step += 1
-                if not verdict.nonfinite:  # a skipped step has no loss worth averaging
+                if loss is not None:  # None: a skipped step, its loss is not worth averaging
                     window.add(loss)
                 progress.update()
                 if self.state.step % self.cfg.log_every == 0 or self.finished():
@@ -135,6 +128,7 @@ class Runner:
             else:
                 self.state.epoch += 1
         progress.close()
+        self.agreement.collect()  # the last step's exchange: nothing may stay in flight
         self.state.train_seconds += window.pause()
         if stop_signal:
             path = self.save_checkpoint() if final_save else None
@@ -161,9 +155,9 @@ class Runner:
             self._resumed_rank_state = None
         return batches
 
-    def train_step(self, micro_batches: list) -> tuple[torch.Tensor, Verdict]:
-        """One optimizer step over grad_accum micro-batches; returns the mean loss (on device)
-        and what all ranks agreed on (stop signal, non-finite values)."""
+    def train_step(self, micro_batches: list) -> tuple[torch.Tensor | None, Verdict]:
+        """One optimizer step over grad_accum micro-batches. Returns the mean loss (on device;
+        None when the update was skipped) and what every rank learned at this step."""
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         last = len(micro_batches) - 1
@@ -177,31 +171,46 @@ class Runner:
                     loss = F.cross_entropy(self.model(inputs), targets)
                 self.precision.backward(loss / len(micro_batches))
             loss_sum += loss.detach().float()
-        verdict = self.agreement.check(self._status(loss_sum))
-        if verdict.nonfinite:
-            self._nonfinite(verdict)
-        else:
+        previous = self.agreement.exchange(torch.isfinite(loss_sum))
+        if self._grads_finite():
+            verdict = previous
+            if verdict.nonfinite_loss_ranks:  # a loss went bad alone one step ago
+                self._nonfinite(verdict.nonfinite_loss_ranks, step=self.state.step, kept=True)
             self.precision.step(self.optimizer, self.module.parameters(), self.cfg.clip_grad_norm)
             if self.ema is not None:
                 self.ema.update_parameters(self.module)
+            mean_loss: torch.Tensor | None = loss_sum / len(micro_batches)
+        else:
+            # Every rank is here (same gradients): wait for this step's exchange to name the
+            # ranks whose loss went bad, then stop or skip the update.
+            current = self.agreement.collect()
+            verdict = Verdict(previous.stop_signal or current.stop_signal,
+                              current.nonfinite_loss_ranks)  # fmt: skip
+            self._nonfinite(current.nonfinite_loss_ranks, step=self.state.step + 1, kept=False)
+            mean_loss = None
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.samples_seen += self.global_batch_size
-        return loss_sum / len(micro_batches), verdict
+        return mean_loss, verdict
 
-    def _status(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """NONFINITE_LOSS, NONFINITE_GRADS or 0 for this rank, computed on device."""
-        status = torch.where(torch.isfinite(loss_sum), 0, NONFINITE_LOSS)
-        if not self.precision.skips_nonfinite_grads:  # amp's GradScaler handles inf gradients
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            if grads:
-                grads_finite = torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
-                status = torch.where(grads_finite, status, status.clamp_min(NONFINITE_GRADS))
-        return status
+    def _grads_finite(self) -> bool:
+        """After DDP's synchronisation the gradients are identical on every rank, so this
+        rank's answer is every rank's, at the same step, with no exchange."""
+        if self.precision.skips_nonfinite_grads:  # amp's GradScaler skips inf gradients itself
+            return True
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
-    def _nonfinite(self, verdict: Verdict) -> None:
-        where = f"non-finite {verdict.nonfinite_where()} at step {self.state.step + 1} (epoch "
-        where += f"{self.state.epoch})"
+    def _nonfinite(self, loss_ranks: list[int], step: int, kept: bool) -> None:
+        """Stop (trainer.on_nonfinite=stop) or skip; `kept`: only the loss of `step` went bad,
+        its gradients were finite and its update was applied."""
+        if loss_ranks:
+            what = f"loss on rank(s) {', '.join(map(str, loss_ranks))}"
+        else:
+            what = "gradients (identical on every rank)"
+        where = f"non-finite {what} at step {step} (epoch {self.state.epoch})"
+        if kept:
+            where += " with finite gradients (that update was applied)"
         if self.cfg.on_nonfinite == "stop":
             last = self.checkpointer.last_path
             saved = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
@@ -209,8 +218,10 @@ class Runner:
                 f"{where}: stopped without saving; {saved}. Lower optimizer.lr, set "
                 "trainer.clip_grad_norm, or set trainer.on_nonfinite=skip to skip such steps"
             )
-        self.state.nonfinite_skipped += 1
-        log.warning("%s: update skipped (trainer.on_nonfinite=skip)", where)
+        if not kept:
+            self.state.nonfinite_skipped += 1
+        log.warning("%s: %s (trainer.on_nonfinite=skip)", where,
+                    "continuing" if kept else "update skipped")  # fmt: skip
 
     def epochs_done(self) -> float:
         return round(self.state.step / max(self.steps_per_epoch, 1), 4)

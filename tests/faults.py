@@ -73,7 +73,10 @@ def _act(kind: str) -> None:
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    """The model's and the EMA's final weights, from the final checkpoint."""
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    ema = {f"ema.{k}": v for k, v in (saved["ema"] or {}).items()}
+    return {**saved["model"], **ema}
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

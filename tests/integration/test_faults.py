@@ -64,11 +64,11 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_same_comma
     env = {"WANDB_MODE": "offline", FAULT_ENV: "parent-SIGTERM:0:9"}
     stopped = run_cli(*args, cwd=tmp_path, env=env)
     assert stopped.returncode == STOPPED, stopped.stderr[-3000:]
-    assert "stopped on SIGTERM at step 9" in stopped.stderr
+    assert "stopped on SIGTERM at step 10" in stopped.stderr  # learned a step later
     assert f"hydra.run.dir={tmp_path / 'run'}" in stopped.stderr  # how to continue
     assert "Traceback" not in stopped.stderr
     run_dir = tmp_path / "run"
-    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 9
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 10
 
     resumed = run_cli(*args, cwd=tmp_path, env={"WANDB_MODE": "offline", FAULT_ENV: None})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -87,7 +87,7 @@ def test_a_signal_to_torchrun_reaches_the_ranks_which_save_and_leave_no_process_
     assert result.returncode != 0
     assert "stopped on SIGUSR1 at step" in result.stderr, result.stderr[-3000:]
     step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
-    assert 9 <= step < 30
+    assert 10 <= step < 30
     time.sleep(1)
     assert not processes_mentioning(str(tmp_path))
 
@@ -135,9 +135,9 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_path):
     )  # fmt: skip
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == INTERRUPTED, stderr[-3000:]
-    assert "stopped on SIGINT at step 7" in stderr
+    assert "stopped on SIGINT at step 8" in stderr
     assert "Traceback" not in stderr and "destroy_process_group" not in stderr
-    assert json.loads((run_dir / "checkpoints" / "step_00000007.json").read_text())["step"] == 7
+    assert json.loads((run_dir / "checkpoints" / "step_00000008.json").read_text())["step"] == 8
 
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:
