@@ -7,7 +7,8 @@
 #   NNODES=2 NPROC=4 RDZV_ENDPOINT=node0:29500 RUN_ID=exp42 uv run launchers/torchrun.sh ...
 #
 # Settings (environment): NPROC (ranks per node, default 2), NNODES (default 1),
-# MAX_RESTARTS (default 1), RDZV_ENDPOINT and RUN_ID (needed when NNODES > 1).
+# MAX_RESTARTS (default 1), RDZV_ENDPOINT and RUN_ID (needed when NNODES > 1), LOCAL_ADDR
+# (this node's reachable address) and RDZV_HOST=1 on the node at RDZV_ENDPOINT.
 # The run dir is outputs/torchrun/<RUN_ID>; every restart resumes from its newest checkpoint.
 set -euo pipefail
 
@@ -29,5 +30,10 @@ else
   : "${RUN_ID:?set the same RUN_ID on every node (it names the run dir)}"
   args+=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
          --rdzv-id="$RUN_ID")
+  # This node's address as the other nodes reach it (default: its hostname).
+  if [[ -n "${LOCAL_ADDR:-}" ]]; then args+=(--local-addr="$LOCAL_ADDR"); fi
+  # The node at RDZV_ENDPOINT hosts the rendezvous; torchrun guesses it from the hostname, which
+  # fails when RDZV_ENDPOINT is an address the hostname does not resolve to.
+  if [[ "${RDZV_HOST:-0}" == 1 ]]; then args+=(--rdzv-conf=is_host=true); fi
 fi
 exec python -m torch.distributed.run "${args[@]}" -m framework.train "$@"
