@@ -55,21 +55,22 @@ def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict
         if env.is_main:
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(CONFIG_REJECTED) from None
+    # After training's collectives every exit skips the interpreter's shutdown (see _exit_now).
     except StopRun as stop:  # rank 0 logged where the checkpoint is
-        raise SystemExit(stop.exit_code) from None
+        _exit_now(stop.exit_code)
     except NonFiniteLoss:  # rank 0 logged where it happened
-        raise SystemExit(FAILED) from None
+        _exit_now(FAILED)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a checkpoint
-        raise SystemExit(INTERRUPTED) from None
+        _exit_now(INTERRUPTED)
     except Exception as error:  # noqa: BLE001 (every failure becomes an exit code)
         _exit_now(_report_failure(error, env, cfg.dist.timeout_s))
 
 
 def _exit_now(code: int) -> NoReturn:
-    """Leave without the interpreter's shutdown. After a collective timed out, gloo's worker
-    thread may still hold the timed-out work and need the GIL to drop it, while shutdown waits:
-    seen as a rank that never exits. The run's files are closed by now (sinks close in
-    `finally`); streams and log handlers are flushed here."""
+    """Leave without the interpreter's shutdown. After a failed or abandoned collective, gloo's
+    worker thread may still hold work and need the GIL to drop it while shutdown waits: seen as
+    a rank that never exits (after a timeout, and once in ~50 runs after a NaN stop). The run's
+    files are closed by now (sinks close in `finally`); streams and log handlers are flushed."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
