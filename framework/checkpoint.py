@@ -31,7 +31,6 @@ from omegaconf import DictConfig
 
 from framework.config import ConfigError
 from framework.distributed import DistEnv, broadcast_object
-from framework.security import redacted_container
 
 log = logging.getLogger("framework")
 
@@ -53,9 +52,10 @@ class CheckpointError(ConfigError):
 
 
 # --- what a checkpoint must match ----------------------------------------------------------
-def training_settings(cfg: DictConfig) -> dict[str, str]:
-    """The resolved config as flat `key: value` strings, secrets redacted, without the settings
-    a resume may change. Stored, with its hash, in every checkpoint."""
+def training_settings(config: Mapping[str, Any]) -> dict[str, str]:
+    """The resolved, secret-redacted config (security.redacted_container) as flat `key: value`
+    strings, without the settings a resume may change. Stored, with its hash, in every
+    checkpoint."""
     flat: dict[str, str] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -67,8 +67,7 @@ def training_settings(cfg: DictConfig) -> dict[str, str]:
         if not any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES):
             flat[key] = json.dumps(node)
 
-    # Redacted: a checkpoint must not carry a secret (and a rotated key still resumes).
-    walk(redacted_container(cfg), "")
+    walk(config, "")
     return flat
 
 
@@ -257,7 +256,7 @@ class Checkpointer:
 
     def save(self, step: int, shared: Callable[[], dict[str, Any]], rank_state: dict) -> Path:
         """Collective: every rank calls it at the same step; only rank 0 writes."""
-        states = _gather_to_main([rank_state], self.env)
+        states = _gather_to_main(rank_state, self.env)
         if self.env.is_main:
             payload = {
                 "format": FORMAT,
@@ -315,16 +314,13 @@ class Checkpointer:
         return found if found else (None, None)
 
 
-def _gather_to_main(items: list[Any], env: DistEnv) -> list[Any]:
+def _gather_to_main(item: Any, env: DistEnv) -> list[Any]:
+    """Every rank's `item`, in rank order, on rank 0 (an empty list elsewhere)."""
     if not env.distributed:
-        return items
+        return [item]
     gathered: list[Any] = [None] * env.world_size if env.is_main else []
-    dist.gather_object(items[0], gathered if env.is_main else None, dst=0)
+    dist.gather_object(item, gathered if env.is_main else None, dst=0)
     return gathered
-
-
-def has_checkpoints(run_dir: Path) -> bool:
-    return bool(step_files(run_dir / "checkpoints"))
 
 
 def trim_metrics(path: Path, step: int) -> int:

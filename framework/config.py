@@ -525,10 +525,12 @@ class ValidateBeforeRun(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         from framework.security import write_hydra_record
 
-        record = Path(config.hydra.runtime.output_dir, self.output_subdir or ".")
+        if self.output_subdir is None:  # torchrun ranks > 0: no record
+            return
+        record = Path(config.hydra.runtime.output_dir, self.output_subdir)
         # A resumed run dir keeps the record of the command that created it: a resume that is
         # then refused must not have changed anything.
-        if self.output_subdir is not None and not (record / "config.yaml").exists():
+        if not (record / "config.yaml").exists():
             write_hydra_record(config, record)
 
     @staticmethod

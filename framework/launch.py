@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig
 
 from framework.distributed import DistEnv
+from framework.stopping import stop_signal_names
 from framework.train import run
 from framework.workers import ReportedStop, raise_for_exit_codes, run_worker
 
@@ -45,10 +46,6 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     return json.loads(summary_file.read_text()) if summary_file.exists() else None
 
 
-def stop_signal_names(cfg: DictConfig) -> list[str]:
-    return sorted({*cfg.trainer.stop_signals, "SIGINT"})
-
-
 # --- launcher=local: torch.multiprocessing spawn, rendezvous on a store this process hosts ----
 def _launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
     # After a rank fails, spawn's "Terminating process ... via SIGTERM" only adds noise.
@@ -62,7 +59,8 @@ def _launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
         join=False,
         start_method="spawn",
     )
-    with _forward_signals(stop_signal_names(cfg), [p.pid for p in context.processes]):
+    signals = stop_signal_names(list(cfg.trainer.stop_signals))
+    with _forward_signals(signals, [p.pid for p in context.processes]):
         victims = _wait_for_ranks(context.processes)
     raise_for_exit_codes([process.exitcode for process in context.processes], victims)
 
@@ -145,7 +143,7 @@ def _launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         start_method="spawn",
         # The agent passes these on to the ranks; by default it dies on SIGUSR1/2 instead and
         # leaves its workers running.
-        signals_to_handle=",".join(stop_signal_names(cfg)),
+        signals_to_handle=",".join(stop_signal_names(list(cfg.trainer.stop_signals))),
     )
     try:
         elastic_launch(config, _elastic_worker)(cfg, run_dir)

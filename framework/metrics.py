@@ -89,7 +89,7 @@ class WandbSink(NullSink):
             tags=list(cfg["tags"]),
             name=run_dir.name,
             dir=str(run_dir),
-            config=redact(config, secrets),  # the caller redacted it; W&B must never get one
+            config=config,  # redacted once by the caller (security.redacted_container)
             mode=mode,
             settings=settings,
             # The id is saved in checkpoints: a resumed or restarted run continues this W&B run.

@@ -24,6 +24,11 @@ INTERRUPTED = 130  # the same, after Ctrl-C (128 + SIGINT, what shells expect)
 FORCE_AFTER_S = 2.0  # a second Ctrl-C this much later than the first one aborts at once
 
 
+def stop_signal_names(configured: list[str]) -> list[str]:
+    """The signals a run stops on: trainer.stop_signals, and always SIGINT (Ctrl-C)."""
+    return sorted({*configured, "SIGINT"})
+
+
 class StopRun(Exception):
     """Every rank stopped at the same step on a signal; a checkpoint holds that step."""
 
@@ -49,7 +54,7 @@ class StopRequests:
     """
 
     def __init__(self, names: list[str]) -> None:
-        self.names = sorted({*names, "SIGINT"})
+        self.names = stop_signal_names(names)
         self.signal_name: str | None = None
         self._first_at = 0.0
         self._previous: dict[int, object] = {}

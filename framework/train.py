@@ -164,7 +164,10 @@ def _train(
     total_steps = planned_steps(t, steps_per_epoch=len(train_loader) // t.grad_accum)
     scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=total_steps)
 
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, training_settings(cfg))
+    # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
+    # key still resumes).
+    record = redacted_container(cfg)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, env, training_settings(record))
     resumed = checkpointer.find_resume()
     if resumed and resumed[1]["step"] >= total_steps and (run_dir / "summary.json").exists():
         log.info(
@@ -174,7 +177,7 @@ def _train(
         )  # fmt: skip
         return _read_summary(run_dir) if env.is_main else None
     if env.is_main:  # written once the run is accepted: a refused resume changes nothing
-        OmegaConf.save(OmegaConf.create(redacted_container(cfg)), run_dir / "config.yaml")
+        OmegaConf.save(OmegaConf.create(record), run_dir / "config.yaml")
     if env.is_main and resumed:
         dropped = trim_metrics(run_dir / "metrics.jsonl", resumed[1]["step"])
         if dropped:
@@ -183,7 +186,7 @@ def _train(
     checkpointer.wandb_run_id = (resumed and resumed[1]["wandb_run_id"]) or new_wandb_id()
 
     sink = build_sink(
-        env.is_main, cfg.logger, run_dir, redacted_container(cfg),
+        env.is_main, cfg.logger, run_dir, record,
         run_id=checkpointer.wandb_run_id,
     )  # fmt: skip
     try:
