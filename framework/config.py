@@ -214,6 +214,41 @@ class TorchrunLauncherConfig(LauncherConfig):
 
 
 @dataclass
+class SubmititLauncherConfig(LauncherConfig):
+    """One job per run (per sweep job) through hydra-submitit-launcher; one task per rank."""
+
+    name: str = MISSING
+    tasks_per_node: int = 2  # ranks per node (one per GPU on GPU nodes)
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    mem_gb: int | None = None
+    timeout_min: int = 60
+    # SIGUSR2 arrives this long before the time limit: the ranks save and submitit requeues.
+    signal_delay_s: int = 120
+    max_num_timeout: int = 3  # requeues after hitting the time limit (preemptions are free)
+    master_port: int | None = None  # rank 0's rendezvous port; null: derived from the job id
+
+
+@dataclass
+class SlurmLauncherConfig(SubmititLauncherConfig):
+    name: str = "slurm"
+    nodes: int = 1
+    partition: str | None = None  # null: the cluster's default partition
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    # Other sbatch options go to hydra.launcher directly: additional_parameters={mail-type:END},
+    # setup=[shell lines run before srun] (hydra-submitit-launcher's keys).
+
+
+@dataclass
+class SlurmLocalLauncherConfig(SubmititLauncherConfig):
+    """submitit's local executor: the same job as launcher=slurm, on this machine, no cluster."""
+
+    name: str = "slurm_local"
+
+
+@dataclass
 class LoggerConfig:
     name: str = "none"
 
@@ -223,7 +258,8 @@ class WandbLoggerConfig(LoggerConfig):
     name: str = "wandb"
     project: str = "framework"
     entity: str | None = None
-    group: str | None = None
+    group: str | None = None  # null: in a sweep, the sweep dir (one group per sweep)
+    run_name: str | None = None  # null: the run dir's name (in a sweep: job number + overrides)
     tags: list[str] = field(default_factory=list)
     # auto: online when credentials exist (WANDB_API_KEY or `wandb login`), else offline.
     mode: str = "auto"
@@ -286,6 +322,9 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    # The summary metric the app returns to Hydra (sweepers such as optuna optimise it) and the
+    # sweep summary lists first.
+    objective: str = "val/accuracy"
     # Module prefixes `_target_` may name, on top of torch, torchvision, framework and
     # experiments (framework/security.py). Config files only: the command line cannot set it.
     allowed_targets: list[str] = field(default_factory=list)
@@ -307,7 +346,12 @@ SCHEMAS: dict[str, dict[str, type]] = {
     },
     "precision": {"base": PrecisionConfig, "amp": AmpConfig},
     "comm": {"base": CommConfig, "powersgd": PowerSGDConfig},
-    "launcher": {"local": LocalLauncherConfig, "torchrun": TorchrunLauncherConfig},
+    "launcher": {
+        "local": LocalLauncherConfig,
+        "torchrun": TorchrunLauncherConfig,
+        "slurm": SlurmLauncherConfig,
+        "slurm_local": SlurmLocalLauncherConfig,
+    },
     "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig},
 }
 
@@ -394,6 +438,14 @@ def validate(cfg: DictConfig | dict) -> None:
             c.launcher.max_restarts >= 0,
             f"launcher.max_restarts={c.launcher.max_restarts} must be >= 0",
         )
+    if c.launcher.name in ("slurm", "slurm_local"):
+        _validate_submitit(c)
+    else:
+        _reject_srun_steps(c.launcher.name)
+    _require(
+        c.objective in OBJECTIVES,
+        f"objective={c.objective!r} is not a summary metric: choose one of {', '.join(OBJECTIVES)}",
+    )
     _validate_precision_and_comm(c)
     if "root" in c.data and not c.data.get("download", False):
         _validate_data_root(c.data.root)
@@ -428,6 +480,49 @@ def _validate_stopping_and_checkpoints(c: DictConfig) -> None:
 
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+OBJECTIVES = ("val/accuracy", "val/loss", "samples_per_s", "wall_s")
+
+
+def _validate_submitit(c: DictConfig) -> None:
+    launcher = c.launcher
+    for key in ("tasks_per_node", "timeout_min") + (("nodes",) if "nodes" in launcher else ()):
+        _require(launcher[key] >= 1, f"launcher.{key}={launcher[key]} must be >= 1")
+    _require(
+        launcher.max_num_timeout >= 0,
+        f"launcher.max_num_timeout={launcher.max_num_timeout} must be >= 0",
+    )
+    gpus, tasks = launcher.gpus_per_node, launcher.tasks_per_node
+    _require(
+        gpus == 0 or tasks == gpus,
+        f"launcher.tasks_per_node={tasks} with launcher.gpus_per_node={gpus}: each rank drives "
+        f"one GPU, so set launcher.tasks_per_node={gpus} (or launcher.gpus_per_node={tasks})",
+    )
+    _require(
+        "SIGUSR2" in c.trainer.stop_signals,
+        f"launcher={launcher.name} needs SIGUSR2 in trainer.stop_signals: SLURM sends it "
+        "launcher.signal_delay_s before the time limit so the ranks save before the job is "
+        "requeued",
+    )
+    _require(
+        not _under_torchrun(),
+        f"launcher={launcher.name} under torchrun: SLURM starts one task per rank itself. Run "
+        f"`train launcher={launcher.name} ...` directly (on the login node), not under torchrun",
+    )
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _reject_srun_steps(launcher: str) -> None:
+    """`srun -n 4 train` starts 4 launchers, each with its own ranks and run dir."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if tasks > 1 and not _under_torchrun() and "SUBMITIT_EXECUTOR" not in os.environ:
+        raise ConfigError(
+            f"this is one of {tasks} tasks of an srun step: with launcher={launcher} each task "
+            "would start its own ranks and run dir. Submit with launcher=slurm (one task per "
+            "rank), or start one task per node that runs launchers/torchrun.sh"
+        )
 
 
 def _validate_precision_and_comm(c: DictConfig) -> None:
@@ -485,7 +580,7 @@ def exit_with(error: Exception, code: int = 2) -> None:
     raise SystemExit(code)
 
 
-def _continues(run_dir: Path, config: DictConfig) -> bool:
+def continues_run(run_dir: Path, config: DictConfig) -> bool:
     """A run dir with a run in it is only reused to resume it: from its checkpoints, or as a
     torchrun restart of the same job (which may not have saved one yet)."""
     if config.checkpoint.resume == "never":
@@ -507,7 +602,7 @@ class ValidateBeforeRun(Callback):
         self._check(config)
         run_dir = Path(config.hydra.run.dir)
         holds_run = any((run_dir / name).exists() for name in ("metrics.jsonl", "summary.json"))
-        if holds_run and not _continues(run_dir, config):
+        if holds_run and not continues_run(run_dir, config):
             exit_with(
                 ConfigError(
                     f"hydra.run.dir={run_dir} already holds a run with no checkpoint to continue "
@@ -518,14 +613,20 @@ class ValidateBeforeRun(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from framework.security import redact_multirun_master
+        from framework.slurm import check_cluster
 
         self._check(config)
+        try:  # before anything is submitted
+            check_cluster(config.launcher)
+        except ConfigError as error:
+            exit_with(error)
         redact_multirun_master(config)  # the sweeper saves it next, as multirun.yaml
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from framework.distributed import launched_rank
         from framework.security import write_hydra_record
 
-        if self.output_subdir is None:  # torchrun ranks > 0: no record
+        if self.output_subdir is None or launched_rank() != 0:  # only rank 0 writes the record
             return
         record = Path(config.hydra.runtime.output_dir, self.output_subdir)
         # A resumed run dir keeps the record of the command that created it: a resume that is
@@ -544,6 +645,8 @@ class ValidateBeforeRun(Callback):
                 "hydra.callbacks.validate.output_subdir instead",
             )
         except ConfigError as error:
-            if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 says it once
+            from framework.distributed import launched_rank
+
+            if launched_rank() != 0:  # rank 0 says it once
                 raise SystemExit(2) from None
             exit_with(error)

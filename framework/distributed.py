@@ -37,7 +37,7 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
-        """Ranks from torchrun's variables, else SLURM task variables, else one process."""
+        """Ranks from torchrun's variables, else one process."""
         env = os.environ if environ is None else environ
         if "RANK" in env and "WORLD_SIZE" in env:
             world_size = int(env["WORLD_SIZE"])
@@ -48,15 +48,19 @@ class DistEnv:
                 local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
                 source="torchrun",
             )
-        if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-            return cls(
-                rank=int(env["SLURM_PROCID"]),
-                local_rank=int(env.get("SLURM_LOCALID", 0)),
-                world_size=int(env["SLURM_NTASKS"]),
-                local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
-                source="slurm",
-            )
         return cls()
+
+
+def launched_rank() -> int:
+    """This process's rank as its launcher announced it, before any process group exists:
+    torchrun's RANK, a submitit task's global rank (launcher=slurm|slurm_local), else 0."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if "SUBMITIT_EXECUTOR" in os.environ:
+        import submitit
+
+        return submitit.JobEnvironment().global_rank
+    return 0
 
 
 def started_by_torchrun() -> bool:

@@ -26,9 +26,10 @@ import torch.multiprocessing as mp
 from omegaconf import DictConfig
 
 from framework.distributed import DistEnv
+from framework.slurm import task_env
 from framework.stopping import stop_signal_names
 from framework.train import run
-from framework.workers import ReportedStop, raise_for_exit_codes, run_worker
+from framework.workers import ReportedStop, raise_for_exit_codes, run_task, run_worker
 
 EXIT_GRACE_S = 3.0  # after a rank fails: time for the others to exit before SIGTERM, then SIGKILL
 
@@ -36,6 +37,8 @@ EXIT_GRACE_S = 3.0  # after a rank fails: time for the others to exit before SIG
 def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Run cfg with cfg.launcher; returns rank 0's summary."""
     nproc = cfg.launcher.nproc_per_node
+    if cfg.launcher.name in ("slurm", "slurm_local"):  # this process is one task: one rank
+        return run_task(cfg, run_dir, task_env(cfg.launcher))
     if cfg.launcher.name == "torchrun":
         _launch_elastic(cfg, run_dir)
     elif nproc == 1:

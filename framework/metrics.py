@@ -87,7 +87,7 @@ class WandbSink(NullSink):
             entity=cfg["entity"],
             group=cfg["group"],
             tags=list(cfg["tags"]),
-            name=run_dir.name,
+            name=cfg["run_name"] or run_dir.name,
             dir=str(run_dir),
             config=config,  # redacted once by the caller (security.redacted_container)
             mode=mode,

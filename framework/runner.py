@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.optim import Optimizer
@@ -133,6 +134,7 @@ class Runner:
         if stop_signal:
             path = self.save_checkpoint() if final_save else None
             raise StopRun(stop_signal, self.state.step, path and str(path))
+        self.check_replicas_agree()
         if final_save:
             self.save_checkpoint()
         final = self.evaluate()
@@ -313,6 +315,24 @@ class Runner:
         self.window.steps = mine["window"]["steps"]
         self._resumed_rank_state = mine
 
+    def check_replicas_agree(self) -> None:
+        """DDP keeps every rank's weights bit-identical. If they differ, the ranks did not
+        train one model: different configs (an lr per rank) or different code. Costs one tiny
+        all-gather per run."""
+        if not self.env.distributed:
+            return
+        checksum = torch.stack([p.detach().double().sum() for p in self.module.parameters()])
+        checksums = [torch.empty_like(checksum) for _ in range(self.env.world_size)]
+        dist.all_gather(checksums, checksum)
+        differing = [rank for rank, other in enumerate(checksums)
+                     if not torch.equal(other, checksums[0])]  # fmt: skip
+        if differing:
+            raise ReplicasDiverged(
+                f"after step {self.state.step} the weights of rank(s) {differing} differ from "
+                "rank 0's: the ranks did not run the same config or code (one resolved config "
+                "for every rank is what the launchers guarantee; check custom launch scripts)"
+            )
+
     def summary(self, final: dict[str, float], wall_s: float) -> dict[str, Any]:
         summary = {
             **final,
@@ -328,6 +348,10 @@ class Runner:
         self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **final})
         self.sink.summary(summary)
         return summary
+
+
+class ReplicasDiverged(RuntimeError):
+    """The ranks' weights differ at the end of training."""
 
 
 class _Window:

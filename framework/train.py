@@ -17,12 +17,13 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -30,7 +31,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from framework import data as data_lib
 from framework.checkpoint import Checkpointer, training_settings, trim_metrics
 from framework.comm import build_comm
-from framework.config import ConfigError, exit_with, validate
+from framework.config import ConfigError, ReportedConfigError, continues_run, exit_with, validate
 from framework.distributed import (
     DistEnv,
     broadcast_object,
@@ -46,6 +47,7 @@ from framework.precision import build_precision
 from framework.runner import Runner, planned_steps
 from framework.security import check_command_line, hide_command_line_secrets, redacted_container
 from framework.stopping import NonFiniteLoss, StepAgreement, StopRequests, StopRun
+from framework.sweep import JobFailed
 from framework.workers import CONFIG_REJECTED, FAILED, ReportedStop, WorkerFailed, run_worker
 
 log = logging.getLogger("framework")
@@ -86,12 +88,13 @@ def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, A
     requests = StopRequests(list(cfg.trainer.stop_signals)).install()
     try:
         with process_group(env, backend, cfg.dist.timeout_s, store):
-            if env.source == "torchrun" and env.distributed:
-                # Every torchrun rank composed its own config; rank 0's is the one that runs.
+            if env.source in ("torchrun", "slurm") and env.distributed:
+                # Every torchrun rank / SLURM task composed its own config; rank 0's runs.
                 cfg, run_dir = broadcast_object((cfg, run_dir))
             setup_logging(env.is_main, env.rank, run_dir)
             return _train(cfg, run_dir, env, device, backend, requests)
     except StopRun as stop:
+        stop.received = set(requests.received)
         if env.is_main:
             log.warning(
                 "%s. To continue, run the same command with hydra.run.dir=%s", stop, run_dir
@@ -249,9 +252,13 @@ def hydra_app(cfg: DictConfig) -> float | None:
     # Imported here: launch imports this module, and workers need no multiprocessing setup.
     from framework.launch import launch
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    sweep_job = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         validate(cfg)
+        if sweep_job:
+            join_sweep(cfg, run_dir, hydra_cfg)
         OmegaConf.resolve(cfg)
         if started_by_torchrun():
             summary = _run_torchrun_rank(cfg, run_dir)
@@ -259,14 +266,42 @@ def hydra_app(cfg: DictConfig) -> float | None:
             summary = launch(cfg, run_dir)
     except ConfigError as error:
         discard_run_files(run_dir)
-        exit_with(error)
+        _end_job(error, CONFIG_REJECTED, sweep_job)
     except (StopRun, ReportedStop) as stop:  # rank 0 said where the checkpoint is
-        raise SystemExit(stop.exit_code) from None
-    except NonFiniteLoss:  # rank 0 said where it happened
-        raise SystemExit(FAILED) from None
+        raise SystemExit(stop.exit_code) from None  # a stop (Ctrl-C) ends a whole sweep too
+    except NonFiniteLoss as error:  # rank 0 said where it happened
+        _end_job(error, FAILED, sweep_job, printed=True)
     except WorkerFailed as error:
-        exit_with(error, code=FAILED)
-    return None if summary is None else summary["val/accuracy"]
+        _end_job(error, FAILED, sweep_job)
+    return None if summary is None else summary[cfg.objective]
+
+
+def _end_job(error: Exception, code: int, sweep_job: bool, printed: bool = False) -> NoReturn:
+    """A run ends with a message and an exit code; a sweep job with JobFailed, which Hydra
+    records before it goes on with the next job (the summary shows the message)."""
+    if sweep_job:
+        message = "a rank rejected the config (its message is above)" \
+            if isinstance(error, ReportedConfigError) else str(error)  # fmt: skip
+        raise JobFailed(message) from None
+    if printed:
+        raise SystemExit(code) from None
+    exit_with(error, code)
+    raise AssertionError("unreachable")
+
+
+def join_sweep(cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig) -> None:
+    """A job of a sweep: its dir is only reused to resume it (a sweep run again with the same
+    hydra.sweep.dir resumes every job), and its W&B run joins the sweep's group."""
+    holds_run = any((run_dir / name).exists() for name in ("metrics.jsonl", "summary.json"))
+    if holds_run and not continues_run(run_dir, cfg):
+        raise ConfigError(
+            f"{run_dir} already holds a run with no checkpoint to continue from (or "
+            "checkpoint.resume=never); it is left untouched. Choose a new hydra.sweep.dir"
+        )
+    if cfg.logger.name == "wandb":
+        job = hydra_cfg.job
+        cfg.logger.group = cfg.logger.group or str(hydra_cfg.sweep.dir)
+        cfg.logger.run_name = cfg.logger.run_name or f"{job.num}-{job.override_dirname}"[:128]
 
 
 def _run_torchrun_rank(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ every survivor would bury the one message that matters.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from omegaconf import DictConfig
 from framework.config import ConfigError, ReportedConfigError
 from framework.distributed import DistEnv
 from framework.stopping import INTERRUPTED, STOPPED, NonFiniteLoss, StopRun
+from framework.sweep import JobFailed
 
 FAILED = 1  # a bug or a fault; this rank printed its traceback or message
 CONFIG_REJECTED = 2  # the config is wrong; rank 0 printed why
@@ -64,6 +66,43 @@ def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict
         _exit_now(INTERRUPTED)
     except Exception as error:  # noqa: BLE001 (every failure becomes an exit code)
         _exit_now(_report_failure(error, env, cfg.dist.timeout_s))
+
+
+def run_task(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict | None:
+    """One rank as one submitit task (launcher=slurm|slurm_local). Ranks > 0 leave as
+    run_worker's ranks do. Rank 0's result is the job's: a failure comes back to the sweep as
+    JobFailed with its message, and a stop on submitit's signal goes to submitit to requeue."""
+    from framework.slurm import hand_back_to_submitit
+    from framework.train import run
+
+    if not env.is_main:
+        return run_worker(cfg, run_dir, env)
+    try:
+        return run(cfg, run_dir, env)
+    except StopRun as stop:
+        requeue = hand_back_to_submitit(stop.received)
+        if requeue is None:  # SLURM requeues by itself (preemption, scontrol requeue) or not
+            _exit_now(stop.exit_code)
+        try:
+            requeue()  # exits once the job is requeued
+        except SystemExit:
+            _exit_now(stop.exit_code)
+        except Exception as error:  # noqa: BLE001 (submitit: not requeued, e.g. timed out too often)
+            failure = f"{stop}; {error}"
+        else:
+            _exit_now(stop.exit_code)
+    except (ConfigError, NonFiniteLoss) as error:  # rank 0 already logged a NonFiniteLoss
+        failure = str(error)
+    except Exception as error:  # noqa: BLE001
+        code = _report_failure(error, env, cfg.dist.timeout_s)
+        failure = {
+            PEER_LOST: "rank 0 lost contact with the other ranks: see their logs (.submitit/)",
+            COLLECTIVE_TIMEOUT: f"rank 0 timed out in a collective (dist.timeout_s="
+                                f"{cfg.dist.timeout_s:g}): another rank hung or died",
+        }.get(code, f"rank 0 failed: {type(error).__name__}: {error}")  # fmt: skip
+    # submitit still writes the JobReturn; then leave without the interpreter's shutdown.
+    atexit.register(_exit_now, FAILED)
+    raise JobFailed(failure)
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -5,6 +5,7 @@ forward (1-based; with grad_accum=1 that is optimizer step <step>):
   nan             its loss turns NaN
   hang            it sleeps (outside any collective) until killed
   kill            SIGKILL to itself; only in the first attempt of a torchrun job
+  slow            it sleeps 0.3 s at this and every later step (time to act on a running job)
   SIGxxx          that signal to itself
   parent-SIGxxx   that signal to its parent (the launcher or the torchrun agent)
   group-SIGINT    SIGINT to its whole process group, as a terminal's Ctrl-C does
@@ -50,12 +51,17 @@ class FaultyMLP(MLP):
         return super().forward(x)
 
     def _due(self) -> bool:
-        _, rank, step = self.fault.split(":")
+        kind, rank, step = self.fault.split(":")
         this_rank = dist.get_rank() if dist.is_initialized() else 0
+        if kind == "slow":
+            return this_rank == int(rank) and self.calls >= int(step)
         return this_rank == int(rank) and self.calls == int(step)
 
 
 def _act(kind: str) -> None:
+    if kind == "slow":
+        time.sleep(0.3)
+        return
     if kind == "hang":
         while True:
             time.sleep(3600)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -16,15 +17,28 @@ def test_torchrun_variables():
     assert env.source == "torchrun" and env.distributed and not env.is_main
 
 
-def test_slurm_task_variables():
-    env = DistEnv.from_environ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
-                                "SLURM_NTASKS_PER_NODE": "2(x1)"})  # fmt: skip
-    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (1, 2, 1, 2)
-    assert env.source == "slurm"
+def test_a_slurm_task_is_one_rank_and_rank_0_on_the_first_node_hosts_the_rendezvous(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from framework.slurm import rendezvous_port, task_env
+
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "3",
+             "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}  # fmt: skip
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    env = task_env(OmegaConf.create({"master_port": None}))
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
+    assert env.source == "slurm" and not env.is_main
+    assert os.environ["MASTER_ADDR"] == "gpu07"
+    assert os.environ["MASTER_PORT"] == str(rendezvous_port("4242")) == "24242"
+    task_env(OmegaConf.create({"master_port": 29400}))
+    assert os.environ["MASTER_PORT"] == "29400"
 
 
-def test_a_single_slurm_task_or_no_variables_is_one_process():
-    assert DistEnv.from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == DistEnv()
+def test_no_variables_is_one_process():
     assert DistEnv.from_environ({}) == DistEnv()
     assert DistEnv().is_main and not DistEnv().distributed
 

@@ -1,0 +1,119 @@
+"""A Hydra multirun (`train -m ...`): what each job ended with, and the sweep's summary table.
+
+The launchers in hydra_plugins/framework_launchers hand every batch of finished jobs to
+`SweepSummary.add`; it rewrites `summary.csv` and `summary.md` in the sweep dir, one row per
+job: its number, status, overrides and final metrics, or why it failed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.errors import CompactHydraException
+
+log = logging.getLogger(__name__)
+
+METRICS = ("val/accuracy", "val/loss", "steps", "samples_per_s", "wall_s")
+
+
+class JobFailed(CompactHydraException):
+    """A sweep job failed: Hydra records it and goes on with the other jobs; the message is
+    the job's row in the summary, and Hydra prints it once the sweep is over."""
+
+
+@dataclass
+class JobRow:
+    num: int
+    status: str  # completed | failed
+    overrides: dict[str, str]
+    run_dir: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+    @classmethod
+    def from_return(cls, num: int, ret: JobReturn) -> JobRow:
+        overrides = dict(item.split("=", 1) for item in ret.overrides or [] if "=" in item)
+        overrides = {key: value for key, value in overrides.items()
+                     if not key.lstrip("+~").startswith("hydra.")}  # fmt: skip
+        completed = ret.status == JobStatus.COMPLETED
+        # Hydra's working_dir is the cwd (hydra.job.chdir=false); the job's dir is the output dir.
+        run_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir if ret.hydra_cfg else ret.working_dir)
+        summary_file = run_dir / "summary.json"
+        found = completed and summary_file.exists()
+        metrics = json.loads(summary_file.read_text()) if found else {}
+        return cls(
+            num=num,
+            status="completed" if completed else "failed",
+            overrides=overrides,
+            run_dir=str(run_dir),
+            metrics=metrics,
+            error="" if completed else str(ret._return_value),
+        )
+
+
+class SweepSummary:
+    """The rows of one sweep, kept across the launcher's batches (optuna launches several)."""
+
+    def __init__(self, sweep_dir: Path, objective: str) -> None:
+        self.sweep_dir, self.objective = sweep_dir, objective
+        self.rows: dict[int, JobRow] = {}
+
+    def add(self, first_num: int, returns: list[JobReturn]) -> None:
+        for offset, ret in enumerate(returns):
+            self.rows[first_num + offset] = JobRow.from_return(first_num + offset, ret)
+        self.write()
+        failed = sum(row.status == "failed" for row in self.rows.values())
+        log.info(
+            "sweep summary (%d jobs, %d failed): %s", len(self.rows), failed,
+            self.sweep_dir / "summary.md",
+        )  # fmt: skip
+
+    def table(self) -> tuple[list[str], list[list[str]]]:
+        keys = sorted({key for row in self.rows.values() for key in row.overrides})
+        metrics = [self.objective, *(m for m in METRICS if m != self.objective)]
+        header = ["job", "status", *keys, *metrics, "run_dir", "error"]
+        body = []
+        for num in sorted(self.rows):
+            row = self.rows[num]
+            body.append([
+                str(num), row.status, *(row.overrides.get(key, "") for key in keys),
+                *(_format(row.metrics.get(metric)) for metric in metrics),
+                _relative(row.run_dir, self.sweep_dir), row.error,
+            ])  # fmt: skip
+        return header, body
+
+    def write(self) -> None:
+        header, body = self.table()
+        with (self.sweep_dir / "summary.csv").open("w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(header)
+            writer.writerows(body)
+        lines = [_markdown_row(header), _markdown_row(["---"] * len(header))]
+        lines += [_markdown_row(cells) for cells in body]
+        (self.sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _relative(path: str, root: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(root.resolve()))
+    except ValueError:
+        return path
+
+
+def _markdown_row(cells: list[str]) -> str:
+    escaped = (cell.replace("|", "\\|").replace("\n", " ") for cell in cells)
+    return "| " + " | ".join(escaped) + " |"

@@ -1,0 +1,198 @@
+"""Hydra launchers for `train` sweeps: Hydra's basic launcher and hydra-submitit-launcher's two,
+each adding the sweep summary (framework/sweep.py) after every batch of jobs.
+
+The submitit ones also wait differently. hydra-submitit-launcher waits for every task of every
+job through `sacct`; a task that died without a result (killed, out of memory, a rank that left
+with os._exit) then leaves the sweep waiting forever where SLURM keeps no accounting, and
+raises out of the whole sweep where it does. Here the sweep waits for rank 0's result (the
+task that runs the job's Hydra task function to its end), or for the job to leave the queue
+without one, and records that job as failed.
+
+Hydra only loads launchers from the hydra_plugins namespace: this package sits at the
+repository root next to framework/, and is installed with it.
+"""
+
+# No `from __future__ import annotations`: Hydra executes this module before it is in
+# sys.modules, where dataclasses cannot resolve string annotations.
+
+import logging
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+from hydra.core.config_store import ConfigStore
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import (
+    BaseQueueConf,
+    LocalQueueConf,
+    SlurmQueueConf,
+)
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
+    LocalLauncher,
+    SlurmLauncher,
+)
+from omegaconf import OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # how often the submitting process looks for a job's result
+# SLURM job states after which no result will come (a requeued job goes back to PENDING).
+ENDED_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+                "OUT_OF_MEMORY", "TIMEOUT", "SPECIAL_EXIT"}  # fmt: skip
+
+
+def _summary(config: Any):
+    from framework.sweep import SweepSummary  # imported late: Hydra scans this module often
+
+    return SweepSummary(Path(str(config.hydra.sweep.dir)), str(config.objective))
+
+
+class SweepLauncher(BasicLauncher):
+    """Hydra's basic launcher (the jobs one after another, from this process) + the summary."""
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.summary = _summary(config)
+
+    def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
+        returns = list(super().launch(job_overrides, initial_job_idx))
+        self.summary.add(initial_job_idx, returns)
+        return returns
+
+
+class _SubmititSweep:
+    """launch() for the submitit launchers below (hydra-submitit-launcher's executor set-up)."""
+
+    _EXECUTOR: str
+    params: dict[str, Any]
+    config: Any
+    hydra_context: Any
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.summary = _summary(config)
+
+    def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
+        from framework.sweep import JobFailed
+
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        log.info("Submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
+        arguments = []
+        for num, overrides in enumerate(job_overrides, start=initial_job_idx):
+            log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
+            arguments.append((list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}",
+                              Singleton.get_state()))  # fmt: skip
+        try:
+            jobs = self._executor().map_array(self, *zip(*arguments, strict=True))
+        except Exception as error:  # noqa: BLE001 (sbatch's refusal, as one message)
+            raise JobFailed(f"{self._EXECUTOR}: the jobs were not submitted: {error}") from None
+        for job, (overrides, *_rest) in zip(jobs, arguments, strict=True):
+            log.info("job %s: %s", job.job_id, " ".join(filter_overrides(overrides)))
+        returns = [
+            self._result(job, num, arguments[num - initial_job_idx][0])
+            for num, job in enumerate(jobs, start=initial_job_idx)
+        ]
+        self.summary.add(initial_job_idx, returns)
+        return returns
+
+    def _executor(self) -> Any:
+        import submitit
+
+        # As hydra-submitit-launcher: max_num_timeout goes to the executor, keys shared by all
+        # executors as they are, the others prefixed with the executor's name.
+        params = dict(self.params)
+        folder = params.pop("submitit_folder")
+        init = {f"{self._EXECUTOR}_max_num_timeout": params.pop("max_num_timeout")} \
+            if "max_num_timeout" in params else {}  # fmt: skip
+        executor = submitit.AutoExecutor(folder=folder, cluster=self._EXECUTOR, **init)
+        shared = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(
+            **{key if key in shared else f"{self._EXECUTOR}_{key}": value
+               for key, value in params.items()}  # fmt: skip
+        )
+        return executor
+
+    def _result(self, job: Any, num: int, overrides: list[str]) -> JobReturn:
+        """Rank 0's JobReturn, or a failed one once the job ended without it."""
+        from framework.sweep import JobFailed
+
+        rank0 = job.task(0)
+        while not rank0.paths.result_pickle.exists():
+            if self._ended(job) and not rank0.paths.result_pickle.exists():
+                return self._failed(
+                    num, overrides,
+                    JobFailed(f"{self._EXECUTOR} job {job.job_id} ended without a result "
+                              f"({self._state(job)}); its log: {rank0.paths.stderr}"),
+                )  # fmt: skip
+            time.sleep(POLL_S)
+        try:
+            return rank0.results()[0]
+        except Exception as error:  # noqa: BLE001 (the task raised outside Hydra's job)
+            last_line = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+            return self._failed(num, overrides, JobFailed(
+                f"{self._EXECUTOR} job {job.job_id}: {last_line} (log: {rank0.paths.stderr})"
+            ))  # fmt: skip
+
+    def _failed(self, num: int, overrides: list[str], error: Exception) -> JobReturn:
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(config):
+            config.hydra.job.num = num
+        job_dir = Path(config.hydra.sweep.dir, str(config.hydra.sweep.subdir))
+        ret = JobReturn(overrides=overrides, status=JobStatus.FAILED, working_dir=str(job_dir))
+        ret.return_value = error
+        return ret
+
+    def _ended(self, job: Any) -> bool:
+        return job.done(force_check=True)
+
+    def _state(self, job: Any) -> str:
+        return str(job.state)
+
+
+class SubmititSlurmLauncher(_SubmititSweep, SlurmLauncher):
+    def _ended(self, job: Any) -> bool:
+        return self._state(job) in ENDED_STATES or self._state(job) == "GONE"
+
+    def _state(self, job: Any) -> str:
+        """squeue's view (no accounting needed); GONE once SLURM forgot the job."""
+        listing = subprocess.run(
+            ["squeue", "--noheader", "--states=all", "--format=%T", f"--jobs={job.job_id}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        states = listing.stdout.split()
+        if listing.returncode != 0 and "Invalid job id" not in listing.stderr:
+            return "UNKNOWN"  # slurmctld busy or unreachable: ask again later
+        return states[0] if states else "GONE"
+
+
+class SubmititLocalLauncher(_SubmititSweep, LocalLauncher):
+    pass
+
+
+@dataclass
+class SweepLauncherConf:
+    _target_: str = "hydra_plugins.framework_launchers.framework_launchers.SweepLauncher"
+
+
+@dataclass
+class SubmititSlurmConf(SlurmQueueConf):
+    _target_: str = "hydra_plugins.framework_launchers.framework_launchers.SubmititSlurmLauncher"
+
+
+@dataclass
+class SubmititLocalConf(LocalQueueConf):
+    _target_: str = "hydra_plugins.framework_launchers.framework_launchers.SubmititLocalLauncher"
+
+
+_store = ConfigStore.instance()
+_store.store(group="hydra/launcher", name="framework_basic", node=SweepLauncherConf,
+             provider="framework")  # fmt: skip
+_store.store(group="hydra/launcher", name="framework_slurm", node=SubmititSlurmConf,
+             provider="framework")  # fmt: skip
+_store.store(group="hydra/launcher", name="framework_local", node=SubmititLocalConf,
+             provider="framework")  # fmt: skip

@@ -1,0 +1,37 @@
+"""The ranks of one run train one model: a rank that ran a different config is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from framework.distributed import DistEnv
+from framework.runner import ReplicasDiverged
+from framework.train import run
+from tests.conftest import TINY, make_cfg, prepare_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def _rank_with_its_own_lr(rank: int, port: int, run_dir, lrs: tuple[float, float]) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = make_cfg(*TINY, "trainer.max_steps=3", f"optimizer.lr={lrs[rank]}")
+    prepare_run(cfg, run_dir)
+    env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, source="local")
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    if lrs[0] == lrs[1]:
+        run(cfg, run_dir, env, store)
+        return
+    with pytest.raises(ReplicasDiverged, match=r"weights of rank\(s\) \[1\] differ"):
+        run(cfg, run_dir, env, store)
+
+
+@pytest.mark.parametrize("lrs", [(0.1, 0.1), (0.1, 0.2)], ids=["same-lr", "lr-per-rank"])
+def test_ranks_that_trained_with_different_learning_rates_are_caught_at_the_end(tmp_path, lrs):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp.start_processes(_rank_with_its_own_lr, args=(store.port, tmp_path / "run", lrs),
+                       nprocs=2, start_method="spawn")  # fmt: skip
+    assert (tmp_path / "run" / "summary.json").exists() == (lrs[0] == lrs[1])

@@ -1,0 +1,146 @@
+"""Hydra multiruns as users start them: every job a full DDP group in its own dir, a summary
+table at the end, failed jobs reported, optuna's trials, and the launcher checks that run before
+anything is submitted. (Real SLURM: tests/integration/test_slurm.py.)"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+TINY_CLI = ("data=synthetic", "data.in_channels=1", "data.image_size=8", "data.train_size=256",
+            "data.val_size=101", "trainer.max_steps=3", "trainer.log_every=1")  # fmt: skip
+OFFLINE_WANDB = {"WANDB_MODE": "offline", "WANDB_API_KEY": None}
+
+
+def sweep_dir(root: Path) -> Path:
+    [found] = root.glob("multirun/*/*")
+    return found
+
+
+def summary_rows(sweep: Path) -> list[dict]:
+    with (sweep / "summary.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+def wandb_run_record(run_dir: Path):
+    """The run record of the job's one offline W&B run, read from W&B's own log file (LevelDB
+    log framing: 32 KiB blocks, 7-byte chunk headers, after a 7-byte file header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    [log_file] = run_dir.glob("wandb/offline-run-*/*.wandb")
+    data, position, record = log_file.read_bytes(), 7, b""
+    while position + 7 <= len(data):
+        room = 32768 - position % 32768
+        if room < 7:  # block trailer
+            position += room
+            continue
+        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
+        record += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            parsed = pb.Record()
+            parsed.ParseFromString(record)
+            record = b""
+            if parsed.WhichOneof("record_type") == "run":
+                return parsed.run
+    raise AssertionError(f"no run record in {log_file}")
+
+
+def test_a_sweep_runs_each_job_as_a_ddp_group_in_its_own_dir_with_a_summary_and_one_wandb_group(
+    tmp_path,
+):
+    result = run_cli("-m", "optimizer.lr=0.1,0.05", "comm=allreduce,powersgd", *TINY_CLI,
+                     "logger=wandb", cwd=tmp_path, env=OFFLINE_WANDB)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = sweep_dir(tmp_path)
+    jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    assert [job.name for job in jobs] == ["0", "1", "2", "3"]
+    summaries = [json.loads((job / "summary.json").read_text()) for job in jobs]
+    assert all(summary["world_size"] == 2 for summary in summaries)
+    assert [read_metrics(job)[0]["lr"] for job in jobs] == [0.1, 0.1, 0.05, 0.05]
+
+    rows = summary_rows(sweep)
+    assert [(row["job"], row["status"], row["optimizer.lr"], row["comm"]) for row in rows] == [
+        ("0", "completed", "0.1", "allreduce"), ("1", "completed", "0.1", "powersgd"),
+        ("2", "completed", "0.05", "allreduce"), ("3", "completed", "0.05", "powersgd"),
+    ]  # fmt: skip
+    assert [float(row["val/accuracy"]) for row in rows] == pytest.approx(
+        [summary["val/accuracy"] for summary in summaries], rel=1e-5
+    )
+    assert list(rows[0])[:2] == ["job", "status"] and "val/loss" in rows[0]
+    markdown = (sweep / "summary.md").read_text().splitlines()
+    assert len(markdown) == 2 + 4 and markdown[0].startswith("| job | status |")
+
+    records = [wandb_run_record(job) for job in jobs]
+    assert {record.run_group for record in records} == {str(sweep.relative_to(tmp_path))}
+    assert len({record.run_id for record in records}) == 4
+    assert records[1].display_name.startswith("1-") and "comm=powersgd" in records[1].display_name
+
+
+def test_a_failed_job_is_reported_in_the_summary_and_the_sweep_goes_on(tmp_path):
+    # Job 0 asks for a global batch larger than the data set; job 1 after it still runs.
+    result = run_cli("-m", "data.batch_size=4096,16", "launcher.nproc_per_node=1", *TINY_CLI,
+                     cwd=tmp_path, timeout=240)  # fmt: skip
+    assert result.returncode == 1
+    assert "smaller than one global batch" in result.stderr
+    assert "Traceback" not in result.stderr
+    rows = summary_rows(sweep_dir(tmp_path))
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "failed"), ("1", "completed")]
+    assert "smaller than one global batch" in rows[0]["error"] and rows[1]["error"] == ""
+    assert float(rows[1]["val/accuracy"]) > 0
+
+
+def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_values(tmp_path):
+    """Each rank is its own submitit task and composes the config itself; the run uses rank
+    0's, and the end-of-run check (runner.check_replicas_agree) fails a job whose ranks
+    trained with different values."""
+    result = run_cli(
+        "-m", "launcher=slurm_local", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2", "hydra.sweeper.direction=maximize",
+        "hydra.sweeper.sampler.seed=0", "optimizer.lr=interval(0.01,0.3)", *TINY_CLI,
+        cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = sweep_dir(tmp_path)
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    rows = summary_rows(sweep)
+    assert len(rows) == 2 and all(row["status"] == "completed" for row in rows)
+    for row in rows:
+        job = sweep / row["run_dir"]
+        trial_lr = float(row["optimizer.lr"])
+        assert read_metrics(job)[0]["lr"] == pytest.approx(trial_lr)
+        assert json.loads((job / "summary.json").read_text())["world_size"] == 2
+        # Both tasks wrote their submitit result; only rank 0 wrote into the run dir.
+        assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == 4
+    # The app returned the objective (val/accuracy) to optuna.
+    assert best["best_value"] == pytest.approx(max(float(row["val/accuracy"]) for row in rows))
+
+
+LAUNCHER_CHECKS = [
+    (["launcher=slurm", "launcher.tasks_per_node=2", "launcher.gpus_per_node=4"], {},
+     ["launcher.tasks_per_node=2", "launcher.gpus_per_node=4", "launcher.tasks_per_node=4"]),
+    (["launcher=slurm"], {"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "0"},
+     ["launcher=slurm under torchrun", "not under torchrun"]),
+    (["launcher=slurm"], {"PATH": "/nonexistent"}, ["sbatch", "launcher=slurm_local"]),
+    (["launcher=slurm", "trainer.stop_signals=[SIGTERM]"], {}, ["SIGUSR2", "trainer.stop_signals"]),
+    ([], {"SLURM_STEP_NUM_TASKS": "4"}, ["one of 4 tasks of an srun step", "launcher=slurm"]),
+    (["-m", "objective=accuracy"], {}, ["objective='accuracy'", "val/accuracy"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "env", "expected"), LAUNCHER_CHECKS, ids=lambda v: str(v))
+def test_impossible_launches_are_refused_before_anything_is_submitted(tmp_path, overrides, env,
+                                                                      expected):  # fmt: skip
+    result = run_cli(*overrides, "trainer.max_steps=1", cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    for text in expected:
+        assert text in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
