@@ -96,6 +96,7 @@ class WandbSink(NullSink):
             id=run_id,
             resume="allow" if run_id else None,
         )
+        self.broken = False
         if mode == "offline":
             log.info(
                 "W&B is offline (no credentials found); upload later with: wandb sync %s",
@@ -103,13 +104,26 @@ class WandbSink(NullSink):
             )
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self.run.log(metrics, step=metrics.get("step"))
+        self._guarded(self.run.log, metrics, step=metrics.get("step"))
 
     def summary(self, summary: dict[str, Any]) -> None:
-        self.run.summary.update(summary)
+        self._guarded(self.run.summary.update, summary)
 
     def close(self) -> None:
-        self.run.finish()
+        self._guarded(self.run.finish)
+
+    def _guarded(self, call: Any, *args: Any, **kwargs: Any) -> None:
+        """W&B holds a copy of metrics.jsonl; losing it must not end the run. Its service is a
+        child process, so a signal to the whole job (SLURM's requeue or preemption, a
+        terminal's Ctrl-C) can end it before the run has saved its checkpoint."""
+        if self.broken:
+            return
+        try:
+            call(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001
+            self.broken = True
+            log.warning("W&B stopped working (%s: %s); metrics.jsonl keeps every metric",
+                        type(error).__name__, error)  # fmt: skip
 
 
 class FanOut(NullSink):

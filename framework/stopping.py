@@ -29,12 +29,19 @@ def stop_signal_names(configured: list[str]) -> list[str]:
     return sorted({*configured, "SIGINT"})
 
 
+_RECEIVED: set[str] = set()  # signals are process-wide: so is the record of those that came
+
+
+def received_signals() -> set[str]:
+    """Every stop signal this process has received so far."""
+    return set(_RECEIVED)
+
+
 class StopRun(Exception):
     """Every rank stopped at the same step on a signal; a checkpoint holds that step."""
 
     def __init__(self, signal_name: str, step: int, checkpoint: str | None) -> None:
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
-        self.received: set[str] = set()  # every stop signal this process got (run() fills it)
         saved = f"saved {checkpoint}" if checkpoint else "nothing saved (checkpoint.final=false)"
         super().__init__(f"stopped on {signal_name} at step {step}; {saved}")
 
@@ -57,7 +64,6 @@ class StopRequests:
     def __init__(self, names: list[str]) -> None:
         self.names = stop_signal_names(names)
         self.signal_name: str | None = None
-        self.received: set[str] = set()
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
@@ -74,7 +80,7 @@ class StopRequests:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        self.received.add(name)
+        _RECEIVED.add(name)
         if self.signal_name is None:
             self.signal_name, self._first_at = name, time.monotonic()
         elif name == "SIGINT" and time.monotonic() - self._first_at > FORCE_AFTER_S:

@@ -94,11 +94,8 @@ def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, A
             setup_logging(env.is_main, env.rank, run_dir)
             return _train(cfg, run_dir, env, device, backend, requests)
     except StopRun as stop:
-        stop.received = set(requests.received)
         if env.is_main:
-            log.warning(
-                "%s. To continue, run the same command with hydra.run.dir=%s", stop, run_dir
-            )
+            log.warning("%s. %s", stop, resume_hint(cfg, run_dir))
         raise
     except NonFiniteLoss as error:
         if env.is_main:
@@ -106,6 +103,14 @@ def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, A
         raise
     finally:
         requests.uninstall()
+
+
+def resume_hint(cfg: DictConfig, run_dir: Path) -> str:
+    if cfg.launcher.name == "slurm":
+        return "SLURM requeues the job if it was preempted or timed out; it then resumes here"
+    if (run_dir.parent / "multirun.yaml").exists():  # a job of a sweep
+        return f"To continue, run the same command with hydra.sweep.dir={run_dir.parent}"
+    return f"To continue, run the same command with hydra.run.dir={run_dir}"
 
 
 def _train(

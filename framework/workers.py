@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from framework.config import ConfigError, ReportedConfigError
 from framework.distributed import DistEnv
-from framework.stopping import INTERRUPTED, STOPPED, NonFiniteLoss, StopRun
+from framework.stopping import INTERRUPTED, STOPPED, NonFiniteLoss, StopRun, received_signals
 from framework.sweep import JobFailed
 
 FAILED = 1  # a bug or a fault; this rank printed its traceback or message
@@ -80,7 +80,7 @@ def run_task(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict | None:
     try:
         return run(cfg, run_dir, env)
     except StopRun as stop:
-        requeue = hand_back_to_submitit(stop.received)
+        requeue = hand_back_to_submitit(received_signals())
         if requeue is None:  # SLURM requeues by itself (preemption, scontrol requeue) or not
             _exit_now(stop.exit_code)
         try:
@@ -95,6 +95,10 @@ def run_task(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict | None:
         failure = str(error)
     except Exception as error:  # noqa: BLE001
         code = _report_failure(error, env, cfg.dist.timeout_s)
+        if received_signals():
+            # Preempted, requeued or cancelled while failing (a signal reaches every process of
+            # the job): no result, or the sweep would take it for the job's last word.
+            _exit_now(code)
         failure = {
             PEER_LOST: "rank 0 lost contact with the other ranks: see their logs (.submitit/)",
             COLLECTIVE_TIMEOUT: f"rank 0 timed out in a collective (dist.timeout_s="

@@ -1,0 +1,131 @@
+"""launcher=slurm against a real SLURM cluster (CI starts one: launchers/slurm_cluster.sh).
+
+Skipped, with the reason, where no cluster answers. The jobs are real sbatch array jobs whose
+srun tasks are the ranks of 2-rank gloo groups."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DIST_ENV_VARS, FAULTS, read_metrics, run_cli, train_losses
+from tests.faults import FAULT_ENV, assert_same_weights, final_weights
+from tests.integration.test_sweeps import TINY_CLI, summary_rows, sweep_dir
+
+
+def _cluster_missing() -> str | None:
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return "no SLURM client on PATH (start one: launchers/slurm_cluster.sh start)"
+    state = subprocess.run(["sinfo", "--noheader", "--format=%t"], capture_output=True, text=True,
+                           timeout=30)  # fmt: skip
+    if state.returncode != 0 or not {"idle", "mix", "alloc"} & set(state.stdout.split()):
+        return f"no SLURM node is up (sinfo: {state.stdout.strip() or state.stderr.strip()})"
+    return None
+
+
+MISSING = _cluster_missing()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(MISSING is not None, reason=str(MISSING))]
+SLURM = ("launcher=slurm", "launcher.tasks_per_node=2", "launcher.timeout_min=10")
+
+
+def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_with_the_losses_of_a_local_run(tmp_path):
+    result = run_cli("-m", *SLURM, "optimizer.lr=0.1,0.05", *TINY_CLI, cwd=tmp_path, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = sweep_dir(tmp_path)
+    rows = summary_rows(sweep)
+    assert [(row["job"], row["status"], row["optimizer.lr"]) for row in rows] == [
+        ("0", "completed", "0.1"), ("1", "completed", "0.05")]  # fmt: skip
+    # One SLURM array job, two tasks per element, each task one rank.
+    logs = sorted(path.name for path in sweep.glob(".submitit/*/*_log.err"))
+    assert len(logs) == 4 and all("_" in name for name in logs)
+
+    local = tmp_path / "local"
+    reference = run_cli(*TINY_CLI, "optimizer.lr=0.1", f"hydra.run.dir={local}", cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert train_losses(sweep / "0") == train_losses(local)
+    assert read_metrics(sweep / "0")[-1]["val/accuracy"] == read_metrics(local)[-1]["val/accuracy"]
+
+
+def test_a_missing_partition_is_refused_before_anything_is_submitted(tmp_path):
+    result = run_cli(*SLURM, "launcher.partition=nope", *TINY_CLI, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "launcher.partition=nope does not exist" in result.stderr and "debug" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "multirun").exists()
+
+
+def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists():
+            steps = [e["step"] for e in read_metrics(run_dir) if "train/loss" in e]
+            if steps and steps[-1] >= step:
+                return
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _job_id(sweep: Path) -> str:
+    [folder] = [path for path in sweep.glob(".submitit/*") if path.name[0].isdigit()]
+    return folder.name
+
+
+def test_a_requeued_and_a_preempted_job_resume_in_the_same_run_dir_and_wandb_run(
+    tmp_path, fault_references
+):
+    """`scontrol requeue` (SIGTERM; SLURM requeues) and SIGUSR2 as before a time limit (the
+    ranks save, submitit requeues): each time the job comes back, resumes from its checkpoint
+    and ends with the weights of an uninterrupted run."""
+    env = {name: value for name, value in os.environ.items() if name not in DIST_ENV_VARS}
+    env.update({FAULT_ENV: "slow:0:1", "WANDB_MODE": "offline"})
+    env.pop("WANDB_API_KEY", None)
+    command = [sys.executable, "-m", "framework.train", *SLURM, *FAULTS,
+               "logger=wandb", "launcher.max_num_timeout=1"]  # fmt: skip
+    sweep_process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+    job_id = None
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("multirun/*/*/0")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        sweep = sweep_dir(tmp_path)
+        run_dir = sweep / "0"
+        _wait_for_step(run_dir, 9, sweep_process, timeout=120)
+        job_id = _job_id(sweep)
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+        # Back from the requeue: the log says so, then SIGUSR2 to the job's tasks.
+        deadline = time.monotonic() + 240
+        while "resumed from" not in _rank0_log(sweep) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "resumed from" in _rank0_log(sweep)
+        resumed_at = _resumed_steps(sweep)[0]
+        _wait_for_step(run_dir, resumed_at + 3, sweep_process, timeout=120)
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        stdout, stderr = sweep_process.communicate(timeout=400)
+    finally:
+        if sweep_process.poll() is None:
+            sweep_process.kill()
+            if job_id:
+                subprocess.run(["scancel", job_id], timeout=30)
+    assert sweep_process.returncode == 0, stderr[-3000:]
+    assert [row["status"] for row in summary_rows(sweep)] == ["completed"]
+    assert len(_resumed_steps(sweep)) == 2  # came back twice, each time from a checkpoint
+    assert_same_weights(final_weights(run_dir), final_weights(fault_references["allreduce"]))
+    assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e] == list(range(1, 31))
+    segments = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(segments) == 3 and len({s.name.rsplit("-", 1)[1] for s in segments}) == 1
+
+
+def _rank0_log(sweep: Path) -> str:
+    return "".join(path.read_text() for path in sweep.glob(".submitit/*/*_0_log.err"))
+
+
+def _resumed_steps(sweep: Path) -> list[int]:
+    return [int(line.split(" at step ")[1].split()[0]) for line in _rank0_log(sweep).splitlines()
+            if "resumed from" in line]  # fmt: skip
