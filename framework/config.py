@@ -193,7 +193,7 @@ class PowerSGDConfig(CommConfig):
 @dataclass
 class LauncherConfig:
     name: str = MISSING
-    nproc_per_node: int = 2  # ranks started on this machine
+    nproc_per_node: int = 2  # ranks started on this machine (conf: one per GPU, else 2)
 
 
 @dataclass
@@ -375,6 +375,16 @@ def run_stamp() -> str:
 
 
 OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
+
+
+def default_ranks() -> int:
+    """launcher.nproc_per_node's default: one rank per visible GPU, else 2 ranks on CPU."""
+    import torch
+
+    return torch.cuda.device_count() or 2
+
+
+OmegaConf.register_new_resolver("default_ranks", default_ranks, use_cache=True, replace=True)
 
 
 register_configs()
