@@ -157,11 +157,14 @@ def test_readme_starts_with_the_two_commands():
 
 
 def readme_train_commands() -> list[list[str]]:
-    commands = []
-    for line in (REPO / "README.md").read_text().splitlines():
+    """Every `uv run train ...` line of the README, with its `\\` continuation lines."""
+    commands, lines = [], iter((REPO / "README.md").read_text().splitlines())
+    for line in lines:
         if line.startswith("uv run train"):
-            words = line.split("#")[0].split()[3:]
-            commands.append([w for w in words if w != "-m"])
+            text = line.split("#")[0]
+            while text.rstrip().endswith("\\"):
+                text = text.rstrip()[:-1] + " " + next(lines).split("#")[0]
+            commands.append([w.strip("'") for w in text.split()[3:] if w != "-m"])
     return commands
 
 
@@ -171,7 +174,8 @@ def test_every_train_command_in_the_readme_composes(overrides):
     from tests.conftest import make_cfg
 
     overrides = [o for o in overrides if not o.startswith("--")]
-    cfg = make_cfg(*(o.split(",")[0] for o in overrides))  # a sweep: its first value
+    # A sweep (a,b or interval(a,b)): its first value.
+    cfg = make_cfg(*(o.replace("interval(", "").split(",")[0] for o in overrides))
     if not any(o.startswith("data.root=") for o in overrides):
         validate(cfg)
 
