@@ -451,14 +451,15 @@ def validate(cfg: DictConfig | dict) -> None:
     if c.launcher.name in ("slurm", "slurm_local"):
         _validate_submitit(c)
     else:
-        _reject_srun_steps(c.launcher.name)
+        _reject_srun_steps(c)
     _require(
         c.objective in OBJECTIVES,
         f"objective={c.objective!r} is not a summary metric: choose one of {', '.join(OBJECTIVES)}",
     )
     _validate_precision_and_comm(c)
-    if "root" in c.data and not c.data.get("download", False):
-        _validate_data_root(c.data.root)
+    submitting = c.launcher.name == "slurm" and "SUBMITIT_EXECUTOR" not in os.environ
+    if "root" in c.data and not c.data.get("download", False) and not submitting:
+        _validate_data_root(c.data.root)  # (on a login node the compute nodes' mounts may lack)
     if c.logger.name == "wandb":
         _require(
             c.logger.mode in ("auto", "online", "offline", "disabled"),
@@ -521,13 +522,20 @@ def _validate_submitit(c: DictConfig) -> None:
 
 
 def _under_torchrun() -> bool:
+    if "SUBMITIT_EXECUTOR" in os.environ:  # a task of our own job (a prolog may set LOCAL_RANK)
+        return False
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def _reject_srun_steps(launcher: str) -> None:
-    """`srun -n 4 train` starts 4 launchers, each with its own ranks and run dir."""
+def _reject_srun_steps(c: DictConfig) -> None:
+    """`srun -n 4 train` starts 4 launchers, each with its own ranks and run dir. One task per
+    node running launcher=torchrun with launcher.nnodes = the step's nodes is a real job."""
+    launcher = c.launcher.name
     tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
-    if tasks > 1 and not _under_torchrun() and "SUBMITIT_EXECUTOR" not in os.environ:
+    nodes = int(os.environ.get("SLURM_STEP_NUM_NODES", "1"))
+    one_per_node = launcher == "torchrun" and tasks == nodes == c.launcher.nnodes
+    if tasks > 1 and not one_per_node and not _under_torchrun() \
+            and "SUBMITIT_EXECUTOR" not in os.environ:  # fmt: skip
         raise ConfigError(
             f"this is one of {tasks} tasks of an srun step: with launcher={launcher} each task "
             "would start its own ranks and run dir. Submit with launcher=slurm (one task per "
@@ -595,7 +603,9 @@ def continues_run(run_dir: Path, config: DictConfig) -> bool:
     torchrun restart of the same job (which may not have saved one yet)."""
     if config.checkpoint.resume == "never":
         return False
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or (
+        "SUBMITIT_EXECUTOR" in os.environ and int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
+    )  # a requeued SLURM job, which may have been killed before its first checkpoint
     return restarted or any((run_dir / "checkpoints").glob("step_*.pt"))
 
 

@@ -19,7 +19,8 @@ from omegaconf import DictConfig
 from framework.config import ConfigError
 from framework.distributed import DistEnv
 
-PORT_BASE, PORT_SPAN = 20000, 20000  # derived rendezvous ports: 20000-39999
+# Derived rendezvous ports: 20000-32767, below Linux's ephemeral range (32768+).
+PORT_BASE, PORT_SPAN = 20000, 12768
 
 
 def check_cluster(launcher: DictConfig) -> None:
@@ -32,7 +33,8 @@ def check_cluster(launcher: DictConfig) -> None:
             "cluster, or try the same job on this machine with launcher=slurm_local"
         )
     listing = subprocess.run(
-        ["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=60
+        ["sinfo", "--all", "--noheader", "--format=%P"], capture_output=True, text=True,
+        timeout=60,
     )
     if listing.returncode != 0:
         raise ConfigError(
@@ -47,10 +49,12 @@ def check_cluster(launcher: DictConfig) -> None:
             "launcher.partition is not set and this cluster has no default partition: set "
             f"launcher.partition to one of {', '.join(partitions) or '(none listed by sinfo)'}"
         )
-    if launcher.partition is not None and launcher.partition not in partitions:
+    unknown = [name for name in str(launcher.partition or "").split(",") if name
+               and name not in partitions]  # fmt: skip  (sbatch takes a list: a,b)
+    if unknown:
         raise ConfigError(
-            f"launcher.partition={launcher.partition} does not exist on this cluster: choose one "
-            f"of {', '.join(partitions) or '(none listed by sinfo)'}"
+            f"launcher.partition={launcher.partition}: {', '.join(unknown)} does not exist on "
+            f"this cluster: choose from {', '.join(partitions) or '(none listed by sinfo)'}"
         )
 
 
@@ -59,7 +63,19 @@ def task_env(launcher: DictConfig) -> DistEnv:
     rendezvous of rank 0 (the first node) for torch's env:// initialisation."""
     import submitit
 
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        raise ConfigError(
+            f"launcher={launcher.name} submits jobs through Hydra's multirun: leave hydra.mode "
+            "alone (`train launcher=slurm ...` or `train -m launcher=slurm ...`)"
+        )
     job = submitit.JobEnvironment()
+    expected = launcher.get("nodes", 1) * launcher.tasks_per_node
+    if job.num_tasks != expected:
+        raise ConfigError(
+            f"this job has {job.num_tasks} tasks, but launcher.nodes x launcher.tasks_per_node "
+            f"= {expected}: the submitted resources come from the sweep's launcher settings, "
+            "which cannot differ between the jobs of one sweep (run one sweep per setting)"
+        )
     env = DistEnv(
         rank=job.global_rank,
         local_rank=job.local_rank,

@@ -89,6 +89,7 @@ class SweepSummary:
         return header, body
 
     def write(self) -> None:
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
         header, body = self.table()
         with (self.sweep_dir / "summary.csv").open("w", newline="") as file:
             writer = csv.writer(file)

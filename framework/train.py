@@ -7,6 +7,7 @@ resolved config and run directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ from framework.config import ConfigError, ReportedConfigError, continues_run, ex
 from framework.distributed import (
     DistEnv,
     broadcast_object,
+    launched_rank,
     limit_cpu_threads,
     pick_backend,
     pick_device,
@@ -108,7 +110,9 @@ def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, A
 def resume_hint(cfg: DictConfig, run_dir: Path) -> str:
     if cfg.launcher.name == "slurm":
         return "SLURM requeues the job if it was preempted or timed out; it then resumes here"
-    if (run_dir.parent / "multirun.yaml").exists():  # a job of a sweep
+    record = run_dir / ".hydra" / "hydra.yaml"  # rank 0's record of the job: run or sweep
+    if record.exists() and OmegaConf.load(record).hydra.mode == "MULTIRUN":
+        # The job dir is <sweep dir>/<job number>; running the sweep again resumes every job.
         return f"To continue, run the same command with hydra.sweep.dir={run_dir.parent}"
     return f"To continue, run the same command with hydra.run.dir={run_dir}"
 
@@ -186,11 +190,13 @@ def _train(
         return _read_summary(run_dir) if env.is_main else None
     if env.is_main:  # written once the run is accepted: a refused resume changes nothing
         OmegaConf.save(OmegaConf.create(record), run_dir / "config.yaml")
-    if env.is_main and resumed:
-        dropped = trim_metrics(run_dir / "metrics.jsonl", resumed[1]["step"])
+    if env.is_main and (run_dir / "metrics.jsonl").exists():
+        # A resume, or a restart (torchrun, SLURM requeue) that found no checkpoint: from 0.
+        kept_step = resumed[1]["step"] if resumed else 0
+        dropped = trim_metrics(run_dir / "metrics.jsonl", kept_step)
         if dropped:
             log.info("metrics.jsonl: %d events after step %d dropped; they are re-run",
-                     dropped, resumed[1]["step"])  # fmt: skip
+                     dropped, kept_step)  # fmt: skip
     checkpointer.wandb_run_id = (resumed and resumed[1]["wandb_run_id"]) or new_wandb_id()
 
     sink = build_sink(
@@ -232,19 +238,21 @@ def _read_summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def discard_run_files(run_dir: Path) -> None:
+def discard_run_files(run_dir: Path, sweep_job: bool = False) -> None:
     """After a rejected config: remove what this run wrote, and the dir if nothing else is in it.
-    A run dir that holds an earlier run (a refused resume) keeps everything."""
+    A run dir that holds an earlier run (a refused resume) keeps everything; a sweep's dir and
+    its parents stay (the sweep's other jobs and summary go there)."""
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
         return
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
     for name in ("config.yaml", "train.log"):
         (run_dir / name).unlink(missing_ok=True)
     # The run dir, then the dated folders Hydra made for it, while they are empty.
-    for folder in (run_dir, *run_dir.parents):
-        if not folder.is_dir() or any(folder.iterdir()) or folder == Path.cwd():
-            break
-        folder.rmdir()
+    for folder in (run_dir,) if sweep_job else (run_dir, *run_dir.parents):
+        with contextlib.suppress(OSError):  # another process may have removed or filled it
+            if not folder.is_dir() or any(folder.iterdir()) or folder == Path.cwd():
+                break
+            folder.rmdir()
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -260,17 +268,19 @@ def hydra_app(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep_job = hydra_cfg.mode == RunMode.MULTIRUN
+    if launched_rank() != 0 and "SUBMITIT_EXECUTOR" in os.environ:
+        return _run_submitit_follower(cfg, run_dir)
     try:
         validate(cfg)
         if sweep_job:
             join_sweep(cfg, run_dir, hydra_cfg)
         OmegaConf.resolve(cfg)
-        if started_by_torchrun():
+        if started_by_torchrun() and "SUBMITIT_EXECUTOR" not in os.environ:
             summary = _run_torchrun_rank(cfg, run_dir)
         else:
             summary = launch(cfg, run_dir)
     except ConfigError as error:
-        discard_run_files(run_dir)
+        discard_run_files(run_dir, sweep_job)
         _end_job(error, CONFIG_REJECTED, sweep_job)
     except (StopRun, ReportedStop) as stop:  # rank 0 said where the checkpoint is
         raise SystemExit(stop.exit_code) from None  # a stop (Ctrl-C) ends a whole sweep too
@@ -279,6 +289,20 @@ def hydra_app(cfg: DictConfig) -> float | None:
     except WorkerFailed as error:
         _end_job(error, FAILED, sweep_job)
     return None if summary is None else summary[cfg.objective]
+
+
+def _run_submitit_follower(cfg: DictConfig, run_dir: Path) -> None:
+    """Rank > 0 of a submitit job: it runs rank 0's config (broadcast at the start) and writes
+    nothing, so it neither judges the sweep dir nor discards files; a config it rejects ends
+    it quietly (rank 0 rejects the same config and reports it)."""
+    from framework.launch import launch
+
+    try:
+        validate(cfg)
+        OmegaConf.resolve(cfg)
+        launch(cfg, run_dir)
+    except ConfigError:
+        raise SystemExit(CONFIG_REJECTED) from None
 
 
 def _end_job(error: Exception, code: int, sweep_job: bool, printed: bool = False) -> NoReturn:

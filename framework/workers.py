@@ -46,9 +46,10 @@ class ReportedStop(Exception):
         self.exit_code = INTERRUPTED if signal_name == "SIGINT" else STOPPED
 
 
-def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict | None:
+def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None,
+               stop_exit_code: int | None = None) -> dict | None:  # fmt: skip
     """One rank of a multi-process job: run() and return its summary, or leave with an exit
-    code that the launcher reads."""
+    code that the launcher reads (after a stop: stop_exit_code, if given)."""
     from framework.train import run  # imported late: train's app imports this module
 
     try:
@@ -59,7 +60,7 @@ def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict
         raise SystemExit(CONFIG_REJECTED) from None
     # After training's collectives every exit skips the interpreter's shutdown (see _exit_now).
     except StopRun as stop:  # rank 0 logged where the checkpoint is
-        _exit_now(stop.exit_code)
+        _exit_now(stop.exit_code if stop_exit_code is None else stop_exit_code)
     except NonFiniteLoss:  # rank 0 logged where it happened
         _exit_now(FAILED)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a checkpoint
@@ -76,17 +77,20 @@ def run_task(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict | None:
     from framework.train import run
 
     if not env.is_main:
-        return run_worker(cfg, run_dir, env)
+        # Exit 0 after a stop: a non-zero exit could make srun kill rank 0 (KillOnBadExit)
+        # before it has saved and requeued. Rank 0 speaks for the job.
+        return run_worker(cfg, run_dir, env, stop_exit_code=0)
     try:
         return run(cfg, run_dir, env)
     except StopRun as stop:
-        requeue = hand_back_to_submitit(received_signals())
+        # The agreed signal counts too: under clock skew another rank may have got it first.
+        requeue = hand_back_to_submitit(received_signals() | {stop.signal_name})
         if requeue is None:  # SLURM requeues by itself (preemption, scontrol requeue) or not
             _exit_now(stop.exit_code)
         try:
             requeue()  # exits once the job is requeued
-        except SystemExit:
-            _exit_now(stop.exit_code)
+        except SystemExit as exit_:  # submitit's own code (its local executor reads it)
+            _exit_now(exit_.code if isinstance(exit_.code, int) else stop.exit_code)
         except Exception as error:  # noqa: BLE001 (submitit: not requeued, e.g. timed out too often)
             failure = f"{stop}; {error}"
         else:

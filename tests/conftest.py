@@ -18,7 +18,9 @@ from framework.train import CONF_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 DIST_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS")  # fmt: skip
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                 "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES",
+                 "SLURM_RESTART_COUNT", "SUBMITIT_EXECUTOR")  # fmt: skip
 
 
 def make_cfg(*overrides: str) -> DictConfig:

@@ -40,6 +40,8 @@ from omegaconf import OmegaConf, open_dict
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often the submitting process looks for a job's result
+STATE_POLL_S = 5.0  # how often it asks the scheduler about the job
+RESULT_GRACE_S = 20.0  # a job that left the queue may still show its result this late
 # SLURM job states after which no result will come (a requeued job goes back to PENDING).
 ENDED_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
                 "OUT_OF_MEMORY", "TIMEOUT", "SPECIAL_EXIT"}  # fmt: skip
@@ -87,18 +89,54 @@ class _SubmititSweep:
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
             arguments.append((list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}",
                               Singleton.get_state()))  # fmt: skip
+        submitted_at = time.time()
         try:
             jobs = self._executor().map_array(self, *zip(*arguments, strict=True))
         except Exception as error:  # noqa: BLE001 (sbatch's refusal, as one message)
             raise JobFailed(f"{self._EXECUTOR}: the jobs were not submitted: {error}") from None
         for job, (overrides, *_rest) in zip(jobs, arguments, strict=True):
             log.info("job %s: %s", job.job_id, " ".join(filter_overrides(overrides)))
-        returns = [
-            self._result(job, num, arguments[num - initial_job_idx][0])
-            for num, job in enumerate(jobs, start=initial_job_idx)
-        ]
-        self.summary.add(initial_job_idx, returns)
+        returns = []
+        for num, job in enumerate(jobs, start=initial_job_idx):
+            returns.append(self._result(job, num, arguments[num - initial_job_idx][0],
+                                        submitted_at))  # fmt: skip
+            self.summary.add(num, returns[-1:])  # row by row: the table grows as jobs end
         return returns
+
+    def _result(self, job: Any, num: int, overrides: list[str], submitted_at: float) -> JobReturn:
+        """Rank 0's JobReturn. A completed one counts at once; a failed one once the job has
+        left the queue (a requeued job runs again and writes a new one); none, RESULT_GRACE_S
+        after the job left the queue (a shared filesystem may show a new file late)."""
+        from framework.sweep import JobFailed
+
+        rank0 = job.task(0)
+        ended_at: float | None = None
+        state, state_at = "UNKNOWN", 0.0
+        while True:
+            outcome = _fresh_result(rank0.paths.result_pickle, submitted_at)
+            if outcome is not None and _completed(outcome):
+                return outcome[1]
+            if time.monotonic() - state_at >= STATE_POLL_S:
+                state, state_at = self._state(job), time.monotonic()
+                ended_at = (ended_at or time.monotonic()) if self._is_ended(job, state) else None
+            if outcome is not None and ended_at is not None:
+                return self._as_return(num, overrides, outcome, job, rank0)
+            if ended_at is not None and time.monotonic() - ended_at > RESULT_GRACE_S:
+                return self._failed(num, overrides, JobFailed(
+                    f"{self._EXECUTOR} job {job.job_id} ended without a result ({state}); "
+                    f"its log: {rank0.paths.stderr}"))  # fmt: skip
+            time.sleep(POLL_S)
+
+    def _as_return(self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
+                   ) -> JobReturn:  # fmt: skip
+        from framework.sweep import JobFailed
+
+        kind, value = outcome
+        if kind == "success":
+            return value  # Hydra's JobReturn, status FAILED
+        lines = str(value).strip().splitlines() or [repr(value)]  # the task raised outside Hydra
+        return self._failed(num, overrides, JobFailed(
+            f"{self._EXECUTOR} job {job.job_id}: {lines[-1]} (log: {rank0.paths.stderr})"))
 
     def _executor(self) -> Any:
         import submitit
@@ -117,27 +155,6 @@ class _SubmititSweep:
         )
         return executor
 
-    def _result(self, job: Any, num: int, overrides: list[str]) -> JobReturn:
-        """Rank 0's JobReturn, or a failed one once the job ended without it."""
-        from framework.sweep import JobFailed
-
-        rank0 = job.task(0)
-        while not rank0.paths.result_pickle.exists():
-            if self._ended(job) and not rank0.paths.result_pickle.exists():
-                return self._failed(
-                    num, overrides,
-                    JobFailed(f"{self._EXECUTOR} job {job.job_id} ended without a result "
-                              f"({self._state(job)}); its log: {rank0.paths.stderr}"),
-                )  # fmt: skip
-            time.sleep(POLL_S)
-        try:
-            return rank0.results()[0]
-        except Exception as error:  # noqa: BLE001 (the task raised outside Hydra's job)
-            last_line = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
-            return self._failed(num, overrides, JobFailed(
-                f"{self._EXECUTOR} job {job.job_id}: {last_line} (log: {rank0.paths.stderr})"
-            ))  # fmt: skip
-
     def _failed(self, num: int, overrides: list[str], error: Exception) -> JobReturn:
         config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(config):
@@ -147,27 +164,49 @@ class _SubmititSweep:
         ret.return_value = error
         return ret
 
-    def _ended(self, job: Any) -> bool:
-        return job.done(force_check=True)
+    def _is_ended(self, job: Any, state: str) -> bool:
+        return job.done(force_check=True)  # the local executor watches its own processes
 
     def _state(self, job: Any) -> str:
         return str(job.state)
 
 
 class SubmititSlurmLauncher(_SubmititSweep, SlurmLauncher):
-    def _ended(self, job: Any) -> bool:
-        return self._state(job) in ENDED_STATES or self._state(job) == "GONE"
+    def _is_ended(self, job: Any, state: str) -> bool:
+        return state in ENDED_STATES or state == "GONE"
 
     def _state(self, job: Any) -> str:
         """squeue's view (no accounting needed); GONE once SLURM forgot the job."""
-        listing = subprocess.run(
-            ["squeue", "--noheader", "--states=all", "--format=%T", f"--jobs={job.job_id}"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        try:
+            listing = subprocess.run(
+                ["squeue", "--noheader", "--states=all", "--format=%T", f"--jobs={job.job_id}"],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+        except (subprocess.TimeoutExpired, OSError):
+            return "UNKNOWN"  # slurmctld busy or unreachable: ask again later
         states = listing.stdout.split()
         if listing.returncode != 0 and "Invalid job id" not in listing.stderr:
-            return "UNKNOWN"  # slurmctld busy or unreachable: ask again later
+            return "UNKNOWN"
         return states[0] if states else "GONE"
+
+
+def _fresh_result(path: Path, submitted_at: float) -> tuple[str, Any] | None:
+    """submitit's (outcome, value) for rank 0, if written by this submission (a sweep run
+    again in the same dir may find an old one; job ids repeat)."""
+    from submitit.core.utils import pickle_load
+
+    try:
+        path.parent.chmod(path.parent.stat().st_mode)  # refresh a shared filesystem's view
+        if path.stat().st_mtime < submitted_at - 1:
+            return None
+        return pickle_load(path)
+    except (OSError, EOFError):  # not there yet, or being replaced
+        return None
+
+
+def _completed(outcome: tuple[str, Any]) -> bool:
+    kind, value = outcome
+    return kind == "success" and getattr(value, "status", None) == JobStatus.COMPLETED
 
 
 class SubmititLocalLauncher(_SubmititSweep, LocalLauncher):

@@ -41,9 +41,10 @@ def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_with_the_losses_of_a_lo
     rows = summary_rows(sweep)
     assert [(row["job"], row["status"], row["optimizer.lr"]) for row in rows] == [
         ("0", "completed", "0.1"), ("1", "completed", "0.05")]  # fmt: skip
-    # One SLURM array job, two tasks per element, each task one rank.
+    # One SLURM array job (<id>_<element>), two tasks per element, each task one rank.
     logs = sorted(path.name for path in sweep.glob(".submitit/*/*_log.err"))
-    assert len(logs) == 4 and all("_" in name for name in logs)
+    array_id = logs[0].split("_")[0]
+    assert logs == [f"{array_id}_{job}_{task}_log.err" for job in (0, 1) for task in (0, 1)]
 
     local = tmp_path / "local"
     reference = run_cli(*TINY_CLI, "optimizer.lr=0.1", f"hydra.run.dir={local}", cwd=tmp_path)
@@ -55,7 +56,8 @@ def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_with_the_losses_of_a_lo
 def test_a_missing_partition_is_refused_before_anything_is_submitted(tmp_path):
     result = run_cli(*SLURM, "launcher.partition=nope", *TINY_CLI, cwd=tmp_path)
     assert result.returncode == 2
-    assert "launcher.partition=nope does not exist" in result.stderr and "debug" in result.stderr
+    assert "launcher.partition=nope: nope does not exist" in result.stderr
+    assert "choose from debug" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "multirun").exists()
 
 
@@ -129,3 +131,34 @@ def _rank0_log(sweep: Path) -> str:
 def _resumed_steps(sweep: Path) -> list[int]:
     return [int(line.split(" at step ")[1].split()[0]) for line in _rank0_log(sweep).splitlines()
             if "resumed from" in line]  # fmt: skip
+
+
+def test_a_job_out_of_time_outs_is_reported_failed_with_its_checkpoint_kept(tmp_path):
+    """launcher.max_num_timeout=0: the first SIGUSR2 (a time-out, for a 10-minute job) saves,
+    submitit refuses to requeue, and the sweep reports the job failed instead of waiting."""
+    env = {name: value for name, value in os.environ.items() if name not in DIST_ENV_VARS}
+    env[FAULT_ENV] = "slow:0:1"
+    command = [sys.executable, "-m", "framework.train", *SLURM, *FAULTS,
+               "launcher.max_num_timeout=0"]  # fmt: skip
+    sweep_process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+    job_id = None
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("multirun/*/*/0")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        sweep = sweep_dir(tmp_path)
+        _wait_for_step(sweep / "0", 6, sweep_process, timeout=120)
+        job_id = _job_id(sweep)
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        _, stderr = sweep_process.communicate(timeout=300)
+    finally:
+        if sweep_process.poll() is None:
+            sweep_process.kill()
+            if job_id:
+                subprocess.run(["scancel", job_id], timeout=30)
+    assert sweep_process.returncode == 1
+    assert "timed-out too many times" in stderr and "Traceback" not in stderr
+    [row] = summary_rows(sweep)
+    assert row["status"] == "failed" and "stopped on SIGUSR2 at step" in row["error"]
+    assert (sweep / "0" / "checkpoints" / "last.pt").exists()

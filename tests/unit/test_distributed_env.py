@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from framework.config import ConfigError
 from framework.distributed import DistEnv
 
 
@@ -29,13 +30,16 @@ def test_a_slurm_task_is_one_rank_and_rank_0_on_the_first_node_hosts_the_rendezv
         monkeypatch.setenv(name, value)
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    env = task_env(OmegaConf.create({"master_port": None}))
+    launcher = {"name": "slurm", "nodes": 2, "tasks_per_node": 2, "master_port": None}
+    env = task_env(OmegaConf.create(launcher))
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
     assert env.source == "slurm" and not env.is_main
     assert os.environ["MASTER_ADDR"] == "gpu07"
     assert os.environ["MASTER_PORT"] == str(rendezvous_port("4242")) == "24242"
-    task_env(OmegaConf.create({"master_port": 29400}))
+    task_env(OmegaConf.create({**launcher, "master_port": 29400}))
     assert os.environ["MASTER_PORT"] == "29400"
+    with pytest.raises(ConfigError, match="this job has 4 tasks, but launcher.nodes x"):
+        task_env(OmegaConf.create({**launcher, "tasks_per_node": 4}))  # a swept launcher key
 
 
 def test_no_variables_is_one_process():
