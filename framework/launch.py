@@ -29,7 +29,13 @@ from framework.distributed import DistEnv
 from framework.slurm import task_env
 from framework.stopping import stop_signal_names
 from framework.train import run
-from framework.workers import ReportedStop, raise_for_exit_codes, run_task, run_worker
+from framework.workers import (
+    ReportedStop,
+    failure_messages,
+    raise_for_exit_codes,
+    run_task,
+    run_worker,
+)
 
 EXIT_GRACE_S = 3.0  # after a rank fails: time for the others to exit before SIGTERM, then SIGKILL
 
@@ -65,7 +71,9 @@ def _launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
     signals = stop_signal_names(list(cfg.trainer.stop_signals))
     with _forward_signals(signals, [p.pid for p in context.processes]):
         victims = _wait_for_ranks(context.processes)
-    raise_for_exit_codes([process.exitcode for process in context.processes], victims)
+    codes = [process.exitcode for process in context.processes]
+    if any(code != 0 for code in codes):
+        raise_for_exit_codes(codes, victims, failure_messages(store, nproc))
 
 
 def _wait_for_ranks(processes: list) -> set[int]:

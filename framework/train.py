@@ -32,7 +32,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from framework import data as data_lib
 from framework.checkpoint import Checkpointer, training_settings, trim_metrics
 from framework.comm import build_comm
-from framework.config import ConfigError, ReportedConfigError, continues_run, exit_with, validate
+from framework.config import ConfigError, continues_run, exit_with, validate
 from framework.distributed import (
     DistEnv,
     broadcast_object,
@@ -309,9 +309,8 @@ def _end_job(error: Exception, code: int, sweep_job: bool, printed: bool = False
     """A run ends with a message and an exit code; a sweep job with JobFailed, which Hydra
     records before it goes on with the next job (the summary shows the message)."""
     if sweep_job:
-        message = "a rank rejected the config (its message is above)" \
-            if isinstance(error, ReportedConfigError) else str(error)  # fmt: skip
-        raise JobFailed(message) from None
+        detail = getattr(error, "detail", None)  # what the failing rank said
+        raise JobFailed(f"{error}: {detail}" if detail else str(error)) from None
     if printed:
         raise SystemExit(code) from None
     exit_with(error, code)

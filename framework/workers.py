@@ -9,6 +9,7 @@ every survivor would bury the one message that matters.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -35,7 +36,9 @@ _TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
 
 
 class WorkerFailed(RuntimeError):
-    """The job failed; the message names the root-cause rank."""
+    """The job failed; the message names the root-cause rank, `detail` what it said."""
+
+    detail: str | None = None
 
 
 class ReportedStop(Exception):
@@ -57,16 +60,37 @@ def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None,
     except ConfigError as error:
         if env.is_main:
             print(f"error: {error}", file=sys.stderr, flush=True)
+            _tell_launcher(store, env, str(error))
         raise SystemExit(CONFIG_REJECTED) from None
     # After training's collectives every exit skips the interpreter's shutdown (see _exit_now).
     except StopRun as stop:  # rank 0 logged where the checkpoint is
         _exit_now(stop.exit_code if stop_exit_code is None else stop_exit_code)
-    except NonFiniteLoss:  # rank 0 logged where it happened
+    except NonFiniteLoss as error:  # rank 0 logged where it happened
+        _tell_launcher(store, env, str(error))
         _exit_now(FAILED)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a checkpoint
         _exit_now(INTERRUPTED)
     except Exception as error:  # noqa: BLE001 (every failure becomes an exit code)
-        _exit_now(_report_failure(error, env, cfg.dist.timeout_s))
+        code = _report_failure(error, env, cfg.dist.timeout_s)
+        if code == FAILED:
+            _tell_launcher(store, env, f"{type(error).__name__}: {error}")
+        _exit_now(code)
+
+
+FAILURE_KEY = "framework/failure"  # + /<rank>: a rank's one-line reason, in the launcher's store
+
+
+def _tell_launcher(store, env: DistEnv, message: str) -> None:
+    """The launcher names the root cause; with the reason, a sweep's summary can show it."""
+    if store is not None:
+        with contextlib.suppress(Exception):  # best effort: the store may be gone too
+            store.set(f"{FAILURE_KEY}/{env.rank}", message)
+
+
+def failure_messages(store, world_size: int) -> dict[int, str]:
+    """What the ranks told the launcher's store before they failed."""
+    keys = {rank: f"{FAILURE_KEY}/{rank}" for rank in range(world_size)}
+    return {rank: store.get(key).decode() for rank, key in keys.items() if store.check([key])}
 
 
 def run_task(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict | None:
@@ -141,17 +165,21 @@ def _report_failure(error: Exception, env: DistEnv, timeout_s: float) -> int:
     return FAILED
 
 
-def raise_for_exit_codes(codes: list[int | None], victims: set[int] | frozenset = frozenset()
-                         ) -> None:  # fmt: skip
+def raise_for_exit_codes(codes: list[int | None], victims: set[int] | frozenset = frozenset(),
+                         messages: dict[int, str] | None = None) -> None:  # fmt: skip
     """Turn every rank's exit code into nothing (all 0) or one exception naming the cause.
 
     Negative codes are deaths by signal (multiprocessing's convention). `victims` are ranks
-    the launcher stopped after another failed: never the cause."""
+    the launcher stopped after another failed: never the cause. `messages`: what ranks said
+    (failure_messages), kept on the exception as `detail`."""
     if all(code == 0 for code in codes):
         return
+    messages = messages or {}
     causes = [(rank, code) for rank, code in enumerate(codes) if rank not in victims]
-    if any(code == CONFIG_REJECTED for _, code in causes):
-        raise ReportedConfigError("a rank rejected the config")
+    rejected = [rank for rank, code in causes if code == CONFIG_REJECTED]
+    if rejected:
+        said = [messages[rank] for rank in rejected if rank in messages]
+        raise ReportedConfigError(said[0] if said else "a rank rejected the config (see above)")
     stopped = [code for _, code in causes if code in (STOPPED, INTERRUPTED)]
     if stopped and all(code in (STOPPED, INTERRUPTED, 0) for _, code in causes):
         raise ReportedStop("SIGINT" if INTERRUPTED in stopped else "SIGTERM")
@@ -164,7 +192,9 @@ def raise_for_exit_codes(codes: list[int | None], victims: set[int] | frozenset 
     ):
         for rank, code in causes or list(enumerate(codes)):
             if wanted(code):
-                raise WorkerFailed(f"rank {rank} {describe or _describe(code)}")
+                failure = WorkerFailed(f"rank {rank} {describe or _describe(code)}")
+                failure.detail = messages.get(rank)
+                raise failure
 
 
 def _describe(code: int | None) -> str:
