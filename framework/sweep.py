@@ -17,6 +17,8 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.errors import CompactHydraException
 
+from framework.plots import plot_sweep, try_plot
+
 log = logging.getLogger(__name__)
 
 METRICS = ("val/accuracy", "val/loss", "steps", "samples_per_s", "wall_s")
@@ -98,6 +100,18 @@ class SweepSummary:
         lines = [_markdown_row(header), _markdown_row(["---"] * len(header))]
         lines += [_markdown_row(cells) for cells in body]
         (self.sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
+        try_plot(plot_sweep, self.sweep_dir, self.labelled_runs(), self.objective)
+
+    def labelled_runs(self) -> list[tuple[str, Path]]:
+        """Each completed job's dir, labelled with its number and the overrides that vary."""
+        rows = [self.rows[num] for num in sorted(self.rows)]
+        varying = [key for key in sorted({k for row in rows for k in row.overrides})
+                   if len({row.overrides.get(key) for row in rows}) > 1]  # fmt: skip
+        return [
+            (" ".join([f"#{row.num}", *(f"{k}={row.overrides.get(k, '')}" for k in varying)]),
+             Path(row.run_dir))
+            for row in rows if row.status == "completed"
+        ]  # fmt: skip
 
 
 def _format(value: Any) -> str:

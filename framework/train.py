@@ -45,6 +45,7 @@ from framework.distributed import (
     wrap_ddp,
 )
 from framework.metrics import build_sink, setup_logging
+from framework.plots import plot_run, try_plot
 from framework.precision import build_precision
 from framework.runner import Runner, planned_steps
 from framework.security import check_command_line, hide_command_line_secrets, redacted_container
@@ -220,6 +221,7 @@ def _train(
     finally:
         sink.close()
     if env.is_main:
+        try_plot(plot_run, run_dir)
         log.info(
             "done: val/accuracy=%.4f val/loss=%.4f steps=%d samples/s=%.0f wall=%.1fs run_dir=%s",
             summary["val/accuracy"], summary["val/loss"], summary["steps"],

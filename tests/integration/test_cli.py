@@ -40,8 +40,10 @@ def test_default_experiment_reaches_95_percent_in_under_a_minute_and_only_rank_0
     assert len(list(tmp_path.rglob("summary.json"))) == 1
     assert "[rank 1]" not in result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".hydra", "checkpoints", "config.yaml", "metrics.jsonl", "summary.json", "train.log",
+        ".hydra", "checkpoints", "config.yaml", "curves.png", "metrics.jsonl", "summary.json",
+        "train.log",
     ]
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the curves
     # The final checkpoint; a single process loads the bare model from it for inference.
     final = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert final["step"] == summary["steps"]

@@ -77,6 +77,9 @@ def test_a_sweep_runs_each_job_as_a_ddp_group_in_its_own_dir_with_a_summary_and_
     assert list(rows[0])[:2] == ["job", "status"] and "val/loss" in rows[0]
     markdown = (sweep / "summary.md").read_text().splitlines()
     assert len(markdown) == 2 + 4 and markdown[0].startswith("| job | status |")
+    png = b"\x89PNG\r\n\x1a\n"
+    assert (sweep / "sweep.png").read_bytes()[:8] == png  # the jobs' curves side by side
+    assert all((job / "curves.png").read_bytes()[:8] == png for job in jobs)
 
     records = [wandb_run_record(job) for job in jobs]
     assert {record.run_group for record in records} == {str(sweep.relative_to(tmp_path))}
