@@ -43,7 +43,7 @@ RESUMABLE_CHANGES = (
     "trainer.progress_bar", "trainer.on_nonfinite", "trainer.stop_signals", "checkpoint",
     "logger", "launcher", "dist.timeout_s", "data.num_workers", "data.pin_memory",
     "data.persistent_workers", "data.eval_batch_size", "data.root", "data.download",
-    "allowed_targets", "objective",
+    "allowed_targets", "objective", "trainer.compile", "trainer.channels_last",
 )  # fmt: skip
 
 

@@ -290,6 +290,10 @@ class TrainerConfig:
     log_every: int = 10  # steps between metric events
     seed: int = 0
     sync_batchnorm: bool = False
+    channels_last: bool = False  # NHWC weights and images: faster convolutions on recent GPUs
+    # torch.compile the DDP model (DDP's optimizer splits graphs at bucket boundaries so
+    # communication still overlaps): pays a compile at start-up for faster steps after.
+    compile: bool = False
     ema_decay: float | None = None  # e.g. 0.999; evaluation then uses the averaged weights
     progress_bar: bool = True  # rank 0, only when stderr is a terminal
     # A non-finite loss (or, outside amp, gradient) on any rank: every rank sees it at the

@@ -157,6 +157,12 @@ class Runner:
             self._resumed_rank_state = None
         return batches
 
+    def to_device(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Images go channels-last when the model is (trainer.channels_last)."""
+        if self.cfg.channels_last and inputs.dim() == 4:
+            return inputs.to(self.device, non_blocking=True, memory_format=torch.channels_last)
+        return inputs.to(self.device, non_blocking=True)
+
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor | None, Verdict]:
         """One optimizer step over grad_accum micro-batches. Returns the mean loss (on device;
         None when the update was skipped) and what every rank learned at this step."""
@@ -164,7 +170,7 @@ class Runner:
         loss_sum = torch.zeros((), device=self.device)
         last = len(micro_batches) - 1
         for index, (inputs, targets) in enumerate(micro_batches):
-            inputs = inputs.to(self.device, non_blocking=True)
+            inputs = self.to_device(inputs)
             targets = targets.to(self.device, non_blocking=True)
             # Only the last micro-batch synchronises gradients; the others accumulate locally.
             sync = index == last or not self.env.distributed
@@ -238,7 +244,7 @@ class Runner:
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, count
         for inputs, targets in self.val_loader:
-            inputs = inputs.to(self.device, non_blocking=True)
+            inputs = self.to_device(inputs)
             targets = targets.to(self.device, non_blocking=True)
             with self.precision.forward_context():
                 logits = model(inputs).float()

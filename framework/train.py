@@ -157,6 +157,8 @@ def _train(
             )
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
     module = module.to(device)
+    if t.channels_last:
+        module = module.to(memory_format=torch.channels_last)
     model = wrap_ddp(module, device, cfg.dist.ddp) if env.distributed else module
     ema = None
     if t.ema_decay is not None:
@@ -169,6 +171,9 @@ def _train(
     comm = build_comm(cfg.comm, env)
     comm.guard_nonfinite = t.on_nonfinite == "skip"
     comm.attach(model, module, grad_scale=precision.loss_scale)
+    if t.compile:
+        # The DDP wrapper (hooks attached) is compiled; checkpoints keep the bare module's keys.
+        model = torch.compile(model)
 
     lr = scaled_lr(cfg.optimizer, global_batch_size)
     log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)
