@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,8 +27,14 @@ def _rank_with_its_own_lr(rank: int, port: int, run_dir, lrs: tuple[float, float
     if lrs[0] == lrs[1]:
         run(cfg, run_dir, env, store)
         return
-    with pytest.raises(ReplicasDiverged, match=r"weights of rank\(s\) \[1\] differ"):
+    try:
         run(cfg, run_dir, env, store)
+    except ReplicasDiverged as error:
+        caught = "weights of rank(s) [1] differ" in str(error)
+        # Leave as a failed worker does (workers._exit_now): freeing the DDP model right after
+        # a collective can deadlock with gloo's thread (seen: ~Reducer vs ~AsyncAllgatherWork).
+        os._exit(0 if caught else 3)
+    os._exit(4)  # the ranks trained different models and nothing noticed
 
 
 @pytest.mark.parametrize("lrs", [(0.1, 0.1), (0.1, 0.2)], ids=["same-lr", "lr-per-rank"])
