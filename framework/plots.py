@@ -56,20 +56,19 @@ def plot_run(run_dir: Path) -> Path | None:
 def plot_sweep(sweep_dir: Path, jobs: list[tuple[str, Path]], objective: str) -> Path | None:
     """sweep.png: every job's training loss against the step, and its final objective.
     `jobs`: (label, run dir) of each job that has metrics."""
-    jobs = [(label, run_dir) for label, run_dir in jobs if _events(run_dir)]
-    if not jobs:
+    runs = [(label, events) for label, run_dir in jobs if (events := _events(run_dir))]
+    if not runs:
         return None
     plt = _pyplot()
     figure, (loss_axes, objective_axes) = plt.subplots(1, 2, figsize=(11, 4))
     finals = []
-    for label, run_dir in jobs:
-        events = _events(run_dir)
+    for label, events in runs:
         loss_axes.plot(*_series(events, "train/loss"), label=label)
-        steps, values = _series(events, objective)
+        _, values = _series(events, objective)
         finals.append(values[-1] if values else float("nan"))
     loss_axes.set(xlabel="optimizer step", ylabel="train loss", title="training loss per job")
     loss_axes.legend(fontsize="small")
-    objective_axes.barh([label for label, _ in jobs], finals, color="tab:green")
+    objective_axes.barh([label for label, _ in runs], finals, color="tab:green")
     objective_axes.set(xlabel=objective, title=f"final {objective}")
     objective_axes.invert_yaxis()
     figure.suptitle(str(sweep_dir))

@@ -5,6 +5,7 @@ srun tasks are the ranks of 2-rank gloo groups."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -78,25 +79,41 @@ def _job_id(sweep: Path) -> str:
     return folder.name
 
 
+@contextlib.contextmanager
+def _sweep_in_background(tmp_path: Path, *overrides: str, env: dict[str, str | None]):
+    """`train` with launcher=slurm and the fault experiment, running while the test acts on its
+    job. Yields the process and the sweep dir once job 0's dir exists; never leaves the
+    process or the SLURM job behind."""
+    full_env = {name: value for name, value in os.environ.items() if name not in DIST_ENV_VARS}
+    for name, value in env.items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
+    command = [sys.executable, "-m", "framework.train", *SLURM, *FAULTS, *overrides]
+    process = subprocess.Popen(command, cwd=tmp_path, env=full_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("multirun/*/*/0")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield process, sweep_dir(tmp_path)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            for folder in tmp_path.glob("multirun/*/*/.submitit/[0-9]*"):
+                subprocess.run(["scancel", folder.name], timeout=30)
+
+
 def test_a_requeued_and_a_preempted_job_resume_in_the_same_run_dir_and_wandb_run(
     tmp_path, fault_references
 ):
     """`scontrol requeue` (SIGTERM; SLURM requeues) and SIGUSR2 as before a time limit (the
     ranks save, submitit requeues): each time the job comes back, resumes from its checkpoint
     and ends with the weights of an uninterrupted run."""
-    env = {name: value for name, value in os.environ.items() if name not in DIST_ENV_VARS}
-    env.update({FAULT_ENV: "slow:0:1", "WANDB_MODE": "offline"})
-    env.pop("WANDB_API_KEY", None)
-    command = [sys.executable, "-m", "framework.train", *SLURM, *FAULTS,
-               "logger=wandb", "launcher.max_num_timeout=1"]  # fmt: skip
-    sweep_process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
-    job_id = None
-    try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("multirun/*/*/0")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        sweep = sweep_dir(tmp_path)
+    env = {FAULT_ENV: "slow:0:1", "WANDB_MODE": "offline", "WANDB_API_KEY": None}
+    overrides = ("logger=wandb", "launcher.max_num_timeout=1")
+    with _sweep_in_background(tmp_path, *overrides, env=env) as (sweep_process, sweep):
         run_dir = sweep / "0"
         _wait_for_step(run_dir, 9, sweep_process, timeout=120)
         job_id = _job_id(sweep)
@@ -110,11 +127,6 @@ def test_a_requeued_and_a_preempted_job_resume_in_the_same_run_dir_and_wandb_run
         _wait_for_step(run_dir, resumed_at + 3, sweep_process, timeout=120)
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         stdout, stderr = sweep_process.communicate(timeout=400)
-    finally:
-        if sweep_process.poll() is None:
-            sweep_process.kill()
-            if job_id:
-                subprocess.run(["scancel", job_id], timeout=30)
     assert sweep_process.returncode == 0, stderr[-3000:]
     assert [row["status"] for row in summary_rows(sweep)] == ["completed"]
     assert len(_resumed_steps(sweep)) == 2  # came back twice, each time from a checkpoint
@@ -136,27 +148,13 @@ def _resumed_steps(sweep: Path) -> list[int]:
 def test_a_job_out_of_time_outs_is_reported_failed_with_its_checkpoint_kept(tmp_path):
     """launcher.max_num_timeout=0: the first SIGUSR2 (a time-out, for a 10-minute job) saves,
     submitit refuses to requeue, and the sweep reports the job failed instead of waiting."""
-    env = {name: value for name, value in os.environ.items() if name not in DIST_ENV_VARS}
-    env[FAULT_ENV] = "slow:0:1"
-    command = [sys.executable, "-m", "framework.train", *SLURM, *FAULTS,
-               "launcher.max_num_timeout=0"]  # fmt: skip
-    sweep_process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
-    job_id = None
-    try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("multirun/*/*/0")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        sweep = sweep_dir(tmp_path)
+    env = {FAULT_ENV: "slow:0:1"}
+    with _sweep_in_background(tmp_path, "launcher.max_num_timeout=0", env=env) as (
+        sweep_process, sweep,
+    ):  # fmt: skip
         _wait_for_step(sweep / "0", 6, sweep_process, timeout=120)
-        job_id = _job_id(sweep)
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        subprocess.run(["scancel", "--signal=USR2", _job_id(sweep)], check=True, timeout=30)
         _, stderr = sweep_process.communicate(timeout=300)
-    finally:
-        if sweep_process.poll() is None:
-            sweep_process.kill()
-            if job_id:
-                subprocess.run(["scancel", job_id], timeout=30)
     assert sweep_process.returncode == 1
     assert "timed-out too many times" in stderr and "Traceback" not in stderr
     [row] = summary_rows(sweep)
