@@ -54,6 +54,11 @@ class ResNet18Config(ModelConfig):
     _target_: str = "framework.models.resnet18_cifar"
 
 
+@dataclass
+class ResNet50Config(ModelConfig):
+    _target_: str = "framework.models.resnet50"
+
+
 # --- data -----------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
@@ -335,7 +340,8 @@ class Config:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"base": ModelConfig, "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config},
+    "model": {"base": ModelConfig, "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config,
+              "resnet50": ResNet50Config},
     "data": {
         "base": DataConfig,
         "digits": DigitsConfig,

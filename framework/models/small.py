@@ -53,3 +53,11 @@ def resnet18_cifar(in_channels: int, num_classes: int) -> nn.Module:
     model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
+
+
+def resnet50(in_channels: int, num_classes: int) -> nn.Module:
+    """torchvision ResNet-50 with its ImageNet stem, for 224x224 inputs (GPU throughput)."""
+    model = torchvision.models.resnet50(weights=None, num_classes=num_classes)
+    if in_channels != 3:
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return model

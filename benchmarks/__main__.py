@@ -1,0 +1,37 @@
+"""`uv run python -m benchmarks <name> [options]`: one benchmark, its ratios printed, its JSON
+written to benchmarks/results/<name>.json (and a PNG where it plots).
+
+    overhead   loop overhead: train vs a plain DDP loop vs Lightning (small CNN, ResNet-18)
+    startup    command -> first optimizer step: train vs the plain loop, under torchrun
+    comm       bytes per step per DDP hook vs analytic; step time over 1 Gbit/s and loopback
+    accuracy   digits, 3 seeds: final validation accuracy per comm hook and precision
+    scaling    samples/s at 1 and 2 ranks on CPU, and the scaling efficiency
+    speed      the speed options (precision, channels_last, compile, num_workers) vs plain
+    all        every one of the above, in that order
+
+`python -m benchmarks <name> --help` lists a benchmark's options.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+
+BENCHMARKS = ("overhead", "startup", "comm", "accuracy", "scaling", "speed")
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*BENCHMARKS, "all"):
+        print(__doc__)
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    names = BENCHMARKS if argv[0] == "all" else (argv[0],)
+    for name in names:
+        started = time.perf_counter()
+        print(f"=== {name} ===", flush=True)
+        importlib.import_module(f"benchmarks.{name}").main(argv[1:] if len(names) == 1 else [])
+        print(f"=== {name}: {time.perf_counter() - started:.0f} s ===\n", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
