@@ -12,9 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torchvision
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
-from torchvision import transforms
 
 from framework.distributed import DistEnv
 
@@ -69,18 +67,27 @@ def synthetic(
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
-class _CifarFolder(torchvision.datasets.CIFAR10):
+def _cifar_folder() -> type:
     """torchvision's reader for the python-pickle batches with the checksums cleared
     (torchvision then checks only that each file exists), so a local copy or a small file in
     the same format is read as it is."""
+    from torchvision.datasets import CIFAR10
 
-    train_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.train_list]
-    test_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.test_list]
-    meta = {**torchvision.datasets.CIFAR10.meta, "md5": None}
+    class CifarFolder(CIFAR10):
+        train_list = [[name, None] for name, _ in CIFAR10.train_list]
+        test_list = [[name, None] for name, _ in CIFAR10.test_list]
+        meta = {**CIFAR10.meta, "md5": None}
+
+    return CifarFolder
 
 
 def cifar10(root: str | None, download: bool = False, augment: bool = True, **_: object) -> Splits:
     """CIFAR-10 from a local folder in torchvision's layout (`cifar-10-batches-py`)."""
+    # torchvision is imported here, not at the top: importing it pulls in torch._dynamo (about
+    # 1.5 s), which every run that uses neither CIFAR-10 nor a ResNet would pay at start-up.
+    import torchvision
+    from torchvision import transforms
+
     path = Path(root or "data").expanduser()
     if path.name == "cifar-10-batches-py":  # accept the batches folder itself
         path = path.parent
@@ -89,7 +96,7 @@ def cifar10(root: str | None, download: bool = False, augment: bool = True, **_:
     if augment:
         train_tf = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
         train_tf += normalize
-    dataset = torchvision.datasets.CIFAR10 if download else _CifarFolder
+    dataset = torchvision.datasets.CIFAR10 if download else _cifar_folder()
     return Splits(
         train=dataset(
             str(path), train=True, download=download, transform=transforms.Compose(train_tf)

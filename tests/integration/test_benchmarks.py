@@ -1,0 +1,56 @@
+"""The benchmark harness stays working: its pool runs the plain loop and `train` on the same
+tiny work with real gloo ranks, and its arithmetic is right. (The benchmarks' numbers are
+measured by running them, never asserted here.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.common import Trial, Work, interleave, run_ours, run_pool, steady_samples_per_s
+from benchmarks.plain import plain_loop
+from tests.conftest import REPO
+
+
+def test_steady_rate_weights_windows_by_their_steps():
+    events = [
+        {"step": 2, "train/loss": 1.0, "samples_per_s": 1.0},  # warm-up window: left out
+        {"step": 4, "train/loss": 1.0, "samples_per_s": 100.0},  # 2 steps
+        {"step": 10, "train/loss": 1.0, "samples_per_s": 50.0},  # 6 steps
+        {"step": 10, "val/accuracy": 0.5},
+    ]
+    # 8 steps in 2/100 + 6/50 seconds-per-sample units
+    assert steady_samples_per_s(events, warmup=2) == pytest.approx(8 / (2 / 100 + 6 / 50))
+
+
+def test_interleave_mirrors_every_other_round():
+    assert interleave(["a", "b", "c"], 2) == [(0, "a"), (0, "b"), (0, "c"),
+                                              (1, "c"), (1, "b"), (1, "a")]  # fmt: skip
+
+
+def _fails(trial, ctx):
+    raise ValueError("this contender is broken")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pool_runs_plain_and_ours_on_the_same_work_and_names_a_failed_trial():
+    work = Work(model="cnn", batch_size=8, warmup=2, steps=4)
+    schedule = [Trial("plain", work), Trial("ours", work), Trial("ours", work, world_size=1)]
+    plain, ours, single = run_pool(schedule, {"plain": plain_loop, "ours": run_ours})
+    assert plain["samples_per_s"] > 0 and ours["samples_per_s"] > 0 and single["samples_per_s"] > 0
+    assert [e["step"] for e in ours["events"]] == [2, 4, 6]  # log_every = warmup
+    assert ours["summary"]["steps"] == single["summary"]["steps"] == 6
+    with pytest.raises(RuntimeError, match="trial broken failed: .*this contender is broken"):
+        run_pool([Trial("x", work, label="broken")], {"x": _fails})
+
+
+def test_benchmarks_command_lists_the_benchmarks_and_rejects_unknown_ones():
+    listing = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=REPO,
+                             capture_output=True, text=True)  # fmt: skip
+    assert listing.returncode == 0 and "overhead" in listing.stdout and "comm" in listing.stdout
+    unknown = subprocess.run([sys.executable, "-m", "benchmarks", "nope"], cwd=REPO,
+                             capture_output=True, text=True)  # fmt: skip
+    assert unknown.returncode == 2
