@@ -246,14 +246,17 @@ class PowerSGD(Comm):
             start_q = q_flat.clone() if guarded and self.warm_start else None
             p_flat = grads[0].new_empty(plan.p_numel)
             ps, qs = _split(p_flat, p_shapes), _split(q_flat, q_shapes)
+            # P = M Q and Q = M^T P are written as (Q^T M^T)^T and (P^T M)^T: a BLAS product
+            # with 2..4 output columns ran 10x slower than one with 2..4 output rows on CPU
+            # (ResNet-18 at rank 2: 29 -> 15 ms a step for the three products).
             for matrix, p, q in zip(matrices, ps, qs, strict=True):
-                torch.matmul(matrix, q, out=p)
+                p.copy_(torch.mm(q.t(), matrix.t()).t())
             self._allreduce_sum(p_flat)  # inf/NaN in any rank's gradient reaches every P
             checks.append(p_flat.clone())
             for p in ps:
                 self._orthogonalize(p)
             for matrix, p, q in zip(matrices, ps, qs, strict=True):
-                torch.matmul(matrix.t(), p, out=q)
+                q.copy_(torch.mm(p.t(), matrix).t())
             self._allreduce_sum(q_flat)
             q_flat.div_(self.env.world_size)
             for matrix, p, q in zip(matrices, ps, qs, strict=True):
