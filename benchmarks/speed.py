@@ -57,12 +57,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks speed", description=__doc__)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--options", help="a comma list of the ladder's rungs (default: all)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
     gpu = args.device == "cuda"
     works = GPU_WORKS if gpu else {"cnn": CPU_WORK}
     ladder = GPU_LADDER if gpu else CPU_LADDER
+    if args.options:
+        ladder = {option: ladder[option] for option in ["fp32", *args.options.split(",")]}
     world_size = 1 if gpu else 2
     schedule = [
         Trial(contender, replace(work, **ladder[option]), world_size=world_size,
