@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nfinal val/accuracy (%), mean +- std over seeds {seeds} [min - max]:")
     print(table(headers, rows))
     record = {"seeds": seeds, "accuracy": accuracy, "table": {"headers": headers, "rows": rows}}
-    write_result("accuracy", record)
+    # The default grid is benchmarks/results/accuracy.json; an opt-in one gets its own file.
+    suffix = "" if precisions == list(PRECISIONS) else "-" + "-".join(precisions)
+    write_result(f"accuracy{suffix}", record)
     return record
 
 

@@ -28,6 +28,9 @@ from benchmarks.common import (
 from benchmarks.plain import lightning_available, lightning_fit, plain_loop
 
 WORKS = {
+    # The default experiment's shape (8x8 images, batch 32): steps of a few ms, where any
+    # per-step cost of the loop shows.
+    "cnn-8x8": Work(model="cnn", batch_size=32, image_size=8, warmup=20, steps=200),
     "cnn": Work(model="cnn", batch_size=64, warmup=10, steps=30),
     "resnet18": Work(model="resnet18", batch_size=16, warmup=3, steps=9),
 }

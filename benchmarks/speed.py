@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table(headers, rows))
     record = {"device": args.device, "rounds": args.rounds, "works": works, "ladder": ladder,
               "samples_per_s": rates, "table": {"headers": headers, "rows": rows}}  # fmt: skip
-    write_result(f"speed-{args.device}", record)
+    # The whole ladder is benchmarks/results/speed-<device>.json; a subset gets its own file.
+    write_result(f"speed-{args.device}{'-partial' if args.options else ''}", record)
     return record
 
 

@@ -11,11 +11,13 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -76,6 +78,7 @@ class Runner:
     ) -> None:
         self.env, self.device = env, device
         self.model, self.module, self.ema = model, module, ema
+        self.params = list(module.parameters())  # walked every step: listed once
         self.optimizer, self.scheduler = optimizer, scheduler
         self.precision, self.comm = precision, comm
         self.train_loader, self.train_sampler, self.val_loader = (
@@ -83,6 +86,10 @@ class Runner:
             train_sampler,
             val_loader,
         )
+        # A plain namespace: the loop reads these keys every step, and an OmegaConf attribute
+        # read costs ~10 us (1.5% of a digits step, profiled with py-spy).
+        if isinstance(trainer_cfg, DictConfig):
+            trainer_cfg = SimpleNamespace(**OmegaConf.to_container(trainer_cfg, resolve=True))
         self.sink, self.cfg = sink, trainer_cfg
         self.global_batch_size = global_batch_size
         self.steps_per_epoch = len(train_loader) // trainer_cfg.grad_accum
@@ -166,7 +173,8 @@ class Runner:
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor | None, Verdict]:
         """One optimizer step over grad_accum micro-batches. Returns the mean loss (on device;
         None when the update was skipped) and what every rank learned at this step."""
-        self.model.train()
+        if not self.module.training:  # only after an evaluation: train() walks every module
+            self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         last = len(micro_batches) - 1
         for index, (inputs, targets) in enumerate(micro_batches):
@@ -206,7 +214,7 @@ class Runner:
         rank's answer is every rank's, at the same step, with no exchange."""
         if self.precision.skips_nonfinite_grads:  # amp's GradScaler skips inf gradients itself
             return True
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.params if p.grad is not None]
         return not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
     def _nonfinite(self, loss_ranks: list[int], step: int, kept: bool) -> None:
