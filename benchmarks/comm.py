@@ -26,16 +26,16 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.common import (
-    REPO,
-    RESULTS,
     Trial,
     TrialContext,
     Work,
     build_model,
     interleave,
     median,
+    pyplot,
     run_ours,
     run_pool,
+    save_plot,
     table,
     write_result,
 )
@@ -208,11 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def plot(record: dict[str, Any], networks: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     hooks = list(HOOKS)
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     positions = range(len(hooks))
@@ -235,11 +231,7 @@ def plot(record: dict[str, Any], networks: list[str]) -> None:
     right.set_ylabel("ms per step (median)")
     right.set_title("step time, 2 ranks, ResNet-18, batch 16/rank")
     right.legend()
-    figure.tight_layout()
-    path = RESULTS / "comm.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    print(f"wrote {path.relative_to(REPO)}")
+    save_plot(figure, "comm")
 
 
 def _print_trial(trial: Trial, result: dict[str, Any]) -> None:

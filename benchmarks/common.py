@@ -319,6 +319,28 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_plot(figure, name: str) -> Path:
+    """benchmarks/results/<name>.png, shown in the README."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    path = RESULTS / f"{name}.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    print(f"wrote {path.relative_to(REPO)}")
+    return path
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A Markdown table (printed, and pasted into the README as is)."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

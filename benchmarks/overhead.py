@@ -13,14 +13,14 @@ import argparse
 from typing import Any
 
 from benchmarks.common import (
-    REPO,
-    RESULTS,
     Trial,
     Work,
     interleave,
     median,
+    pyplot,
     run_ours,
     run_pool,
+    save_plot,
     spread,
     table,
     write_result,
@@ -80,11 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def plot(record: dict[str, Any], names: list[str]) -> None:
     """Each contender's samples/s relative to the plain loop, per model, with the target."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = list(record["models"])
     figure, axes = plt.subplots(figsize=(6.5, 3.6))
     width = 0.8 / len(names)
@@ -100,11 +96,7 @@ def plot(record: dict[str, Any], names: list[str]) -> None:
     axes.set_ylim(0, 1.35)
     axes.set_title("loop overhead: 2 gloo ranks on CPU (median of rounds)")
     axes.legend(loc="lower right", fontsize=8)
-    figure.tight_layout()
-    path = RESULTS / "overhead.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    print(f"wrote {path.relative_to(REPO)}")
+    save_plot(figure, "overhead")
 
 
 def _print_trial(trial: Trial, result: dict[str, Any]) -> None:
