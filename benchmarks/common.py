@@ -5,20 +5,23 @@ Why a pool: starting two Python processes that import torch costs seconds per ru
 steady-state measurement itself on 2 cores. The pool starts the ranks once; each trial then gets
 a fresh process group (its own key prefix in the pool's store), runs, and reports to rank 0.
 Trials run in the schedule's order on every rank, so compared contenders interleave
-(A B C, C B A, ...) and slow drift of a noisy machine favours none of them.
+(A B C, B C A, C A B) and slow drift of a noisy machine favours none of them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import date, timedelta
@@ -50,6 +53,7 @@ class Work:
     compile: bool = False
     num_workers: int = 0
     device: str = "cpu"
+    val_size: int = 32
 
     @property
     def total_steps(self) -> int:
@@ -63,13 +67,13 @@ class Work:
         """The same work as `train` overrides."""
         return [
             f"model={self.model}", "data=synthetic", f"data.batch_size={self.batch_size}",
-            f"data.train_size={self.train_size(world_size)}", "data.val_size=32",
+            f"data.train_size={self.train_size(world_size)}", f"data.val_size={self.val_size}",
             f"data.image_size={self.image_size}", f"data.num_workers={self.num_workers}",
             "optimizer=sgd", f"optimizer.lr={self.lr}", "scheduler=constant",
             f"precision={self.precision}", f"trainer.channels_last={self.channels_last}",
             f"trainer.compile={self.compile}", f"trainer.max_steps={self.total_steps}",
             "trainer.max_epochs=null", f"trainer.log_every={self.warmup}",
-            "trainer.progress_bar=false", "checkpoint.every=0",
+            "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.final=false",
             f"launcher.nproc_per_node={world_size}",
         ]  # fmt: skip
 
@@ -122,11 +126,17 @@ class TrialContext:
 Contender = Callable[[Trial, TrialContext], dict[str, Any] | None]
 
 
-def interleave(labels: Sequence[Any], rounds: int) -> list[tuple[int, Any]]:
-    """(round, label) in mirrored order: A B C, C B A, A B C, ..."""
+def interleave(labels: Sequence[Any], rounds: int, mirror: bool = False) -> list[tuple[int, Any]]:
+    """(round, label), each round's order rotated by one: A B C, B C A, C A B, ... Over as many
+    rounds as labels, every contender runs once in every position. `mirror`: A B C, C B A, ...
+    instead (for two rounds of many labels: each label's mean position is the same)."""
     order = []
     for round_index in range(rounds):
-        ordered = labels if round_index % 2 == 0 else list(reversed(labels))
+        if mirror:
+            ordered = list(labels) if round_index % 2 == 0 else list(reversed(labels))
+        else:
+            shift = round_index % len(labels)
+            ordered = [*labels[shift:], *labels[:shift]]
         order += [(round_index, label) for label in ordered]
     return order
 
@@ -144,6 +154,9 @@ def run_pool(
     the store stays on loopback while the trial's traffic crosses the namespaces' link)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     scratch = Path(tempfile.mkdtemp(prefix="bench-"))
+    if all(trial.work.device == "cpu" for trial in schedule):
+        # `train` picks a GPU whenever one is visible; CPU work must stay on the CPU.
+        env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}
     context = mp.start_processes(
         _pool_worker,
         args=(store.port, nprocs, schedule, contenders, scratch, namespaces, env or {}),
@@ -152,65 +165,74 @@ def run_pool(
     results: list[dict[str, Any]] = []
     try:
         for index, trial in enumerate(schedule):
-            key = f"result/{index}"
-            while True:
-                if store.check([key]):
-                    break
-                if not all(p.is_alive() for p in context.processes):
-                    context.join()  # raises with the failed rank's traceback
-                time.sleep(0.2)
-            result = json.loads(store.get(key))
-            if "error" in result:
-                raise RuntimeError(f"trial {trial.name} failed: {result['error']}")
-            results.append(result)
+            results.append(_wait_for_result(store, context, index, trial, nprocs))
             if on_result:
-                on_result(trial, result)
+                on_result(trial, results[-1])
         while not context.join():
             pass
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+        shutil.rmtree(scratch, ignore_errors=True)
     return results
+
+
+def _wait_for_result(store, context, index: int, trial: Trial, nprocs: int) -> dict[str, Any]:
+    """Rank 0's result of trial `index`. The first rank to fail ends the wait with its error,
+    instead of its peers waiting out a collective's timeout."""
+    errors = [f"error/{index}/{rank}" for rank in range(nprocs)]
+    while not store.check([f"result/{index}"]):
+        failed = [key for key in errors if store.check([key])]
+        if failed:
+            raise RuntimeError(f"trial {trial.name} failed: {store.get(failed[0]).decode()}")
+        if not all(process.is_alive() for process in context.processes):
+            context.join()  # raises with the dead rank's traceback
+        time.sleep(0.2)
+    return json.loads(store.get(f"result/{index}"))
 
 
 def _pool_worker(rank, port, nprocs, schedule, contenders, scratch, namespaces, env) -> None:
     os.environ.update(env)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=10))
+    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, whatever the shell exported
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=30))
     if namespaces:
         enter_network_namespace(namespaces[rank])
     for index, trial in enumerate(schedule):
         if rank < trial.world_size:
-            trial_dir = scratch / f"{index:03d}-{trial.name}".replace("/", "_")
-            trial_dir.mkdir(exist_ok=True)
-            context = TrialContext(rank, trial.world_size, dist.PrefixStore(f"trial{index}", store),
-                                   trial_dir, index)  # fmt: skip
-            try:
-                result = contenders[trial.contender](trial, context)
-            except Exception as error:  # the parent raises it with the trial's name
-                import traceback
-
-                result = {"error": f"rank {rank}: {error}\n{traceback.format_exc()}"}
-            finally:
-                context.end_group()
-            if rank == 0:
-                store.set(f"result/{index}", json.dumps({**(result or {}), "trial": index}))
+            _run_trial(rank, index, trial, contenders[trial.contender], store, scratch)
         # Every rank finishes trial i before any starts trial i+1.
         store.set(f"done/{index}/{rank}", "1")
         store.wait([f"done/{index}/{r}" for r in range(nprocs)])
-    logging_shutdown_and_exit()
+    from framework.workers import exit_now
+
+    exit_now(0)  # as `train`'s ranks leave: without the interpreter's shutdown (gloo threads)
 
 
-def logging_shutdown_and_exit() -> None:
-    """Leave without interpreter shutdown (gloo threads; see framework.workers._exit_now)."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _run_trial(rank, index, trial, contender, store, scratch) -> None:
+    """One trial on this rank, in a clean slate: the environment, dynamo's caches and the
+    garbage of the trial before do not carry over. Rank 0 posts the result; a failing rank
+    posts its error (the parent stops the pool on it)."""
+    trial_dir = scratch / f"{index:03d}-{trial.name}".replace("/", "_")
+    trial_dir.mkdir(exist_ok=True)
+    context = TrialContext(rank, trial.world_size, dist.PrefixStore(f"trial{index}", store),
+                           trial_dir, index)  # fmt: skip
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    gc.collect()
+    saved_environ = dict(os.environ)
+    try:
+        result = contender(trial, context)
+    except Exception as error:  # noqa: BLE001 (the parent raises it with the trial's name)
+        store.set(f"error/{index}/{rank}", f"rank {rank}: {error}\n{traceback.format_exc()}")
+        return
+    finally:
+        context.end_group()
+        os.environ.clear()
+        os.environ.update(saved_environ)
+    if rank == 0:
+        store.set(f"result/{index}", json.dumps({**(result or {}), "trial": index}))
 
 
 def enter_network_namespace(name: str) -> None:

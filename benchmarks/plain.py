@@ -27,7 +27,7 @@ DDP_OPTIONS = {"bucket_cap_mb": 25.0, "gradient_as_bucket_view": True}  # conf: 
 def dataset(work: Work, world_size: int):
     from framework.data import synthetic
 
-    return synthetic(train_size=work.train_size(world_size), val_size=8,
+    return synthetic(train_size=work.train_size(world_size), val_size=work.val_size,
                      image_size=work.image_size).train  # fmt: skip
 
 

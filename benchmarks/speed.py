@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               round=round_index, label=f"{model}/{option}/{contender}",
               extra={"model": model, "option": option})
         for model, work in works.items()
-        for round_index, option in interleave(list(ladder), args.rounds)
+        for round_index, option in interleave(list(ladder), args.rounds, mirror=True)
         for contender in (("plain", "ours") if round_index % 2 == 0 else ("ours", "plain"))
     ]  # fmt: skip
     results = run_pool(schedule, {"plain": plain_loop, "ours": run_ours}, nprocs=world_size,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,13 +26,21 @@ from benchmarks.common import REPO, interleave, median, table, write_result
 
 TARGET_EXTRA_S = 1.0
 FIRST_STEP = re.compile(r"\bstep=1\b")
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+
+
+def torchrun() -> list[str]:
+    """torchrun with 2 ranks on a free port (not 29500: another job may hold it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+            f"--master_port={port}"]  # fmt: skip
 
 
 def command(contender: str, run_dir: Path) -> list[str]:
     if contender == "plain":
-        return [*TORCHRUN, str(REPO / "benchmarks" / "plain_torchrun.py")]
-    return [*TORCHRUN, "-m", "framework.train", "trainer.max_steps=1", "trainer.log_every=1",
+        return [*torchrun(), str(REPO / "benchmarks" / "plain_torchrun.py")]
+    return [*torchrun(), "-m", "framework.train", "trainer.max_steps=1", "trainer.log_every=1",
             f"hydra.run.dir={run_dir}"]  # fmt: skip
 
 

@@ -62,19 +62,19 @@ def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None,
             print(f"error: {error}", file=sys.stderr, flush=True)
             _tell_launcher(store, env, str(error))
         raise SystemExit(CONFIG_REJECTED) from None
-    # After training's collectives every exit skips the interpreter's shutdown (see _exit_now).
+    # After training's collectives every exit skips the interpreter's shutdown (see exit_now).
     except StopRun as stop:  # rank 0 logged where the checkpoint is
-        _exit_now(stop.exit_code if stop_exit_code is None else stop_exit_code)
+        exit_now(stop.exit_code if stop_exit_code is None else stop_exit_code)
     except NonFiniteLoss as error:  # rank 0 logged where it happened
         _tell_launcher(store, env, str(error))
-        _exit_now(FAILED)
+        exit_now(FAILED)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a checkpoint
-        _exit_now(INTERRUPTED)
+        exit_now(INTERRUPTED)
     except Exception as error:  # noqa: BLE001 (every failure becomes an exit code)
         code = _report_failure(error, env, cfg.dist.timeout_s)
         if code == FAILED:
             _tell_launcher(store, env, f"{type(error).__name__}: {error}")
-        _exit_now(code)
+        exit_now(code)
 
 
 FAILURE_KEY = "framework/failure"  # + /<rank>: a rank's one-line reason, in the launcher's store
@@ -110,15 +110,15 @@ def run_task(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict | None:
         # The agreed signal counts too: under clock skew another rank may have got it first.
         requeue = hand_back_to_submitit(received_signals() | {stop.signal_name})
         if requeue is None:  # SLURM requeues by itself (preemption, scontrol requeue) or not
-            _exit_now(stop.exit_code)
+            exit_now(stop.exit_code)
         try:
             requeue()  # exits once the job is requeued
         except SystemExit as exit_:  # submitit's own code (its local executor reads it)
-            _exit_now(exit_.code if isinstance(exit_.code, int) else stop.exit_code)
+            exit_now(exit_.code if isinstance(exit_.code, int) else stop.exit_code)
         except Exception as error:  # noqa: BLE001 (submitit: not requeued, e.g. timed out too often)
             failure = f"{stop}; {error}"
         else:
-            _exit_now(stop.exit_code)
+            exit_now(stop.exit_code)
     except (ConfigError, NonFiniteLoss) as error:  # rank 0 already logged a NonFiniteLoss
         failure = str(error)
     except Exception as error:  # noqa: BLE001
@@ -126,18 +126,18 @@ def run_task(cfg: DictConfig, run_dir: Path, env: DistEnv) -> dict | None:
         if received_signals():
             # Preempted, requeued or cancelled while failing (a signal reaches every process of
             # the job): no result, or the sweep would take it for the job's last word.
-            _exit_now(code)
+            exit_now(code)
         failure = {
             PEER_LOST: "rank 0 lost contact with the other ranks: see their logs (.submitit/)",
             COLLECTIVE_TIMEOUT: f"rank 0 timed out in a collective (dist.timeout_s="
                                 f"{cfg.dist.timeout_s:g}): another rank hung or died",
         }.get(code, f"rank 0 failed: {type(error).__name__}: {error}")  # fmt: skip
     # submitit still writes the JobReturn; then leave without the interpreter's shutdown.
-    atexit.register(_exit_now, FAILED)
+    atexit.register(exit_now, FAILED)
     raise JobFailed(failure)
 
 
-def _exit_now(code: int) -> NoReturn:
+def exit_now(code: int) -> NoReturn:
     """Leave without the interpreter's shutdown. After a failed or abandoned collective, gloo's
     worker thread may still hold work and need the GIL to drop it while shutdown waits: seen as
     a rank that never exits (after a timeout, and once in ~50 runs after a NaN stop). The run's

@@ -31,7 +31,7 @@ def _rank_with_its_own_lr(rank: int, port: int, run_dir, lrs: tuple[float, float
         run(cfg, run_dir, env, store)
     except ReplicasDiverged as error:
         caught = "weights of rank(s) [1] differ" in str(error)
-        # Leave as a failed worker does (workers._exit_now): freeing the DDP model right after
+        # Leave as a failed worker does (workers.exit_now): freeing the DDP model right after
         # a collective can deadlock with gloo's thread (seen: ~Reducer vs ~AsyncAllgatherWork).
         os._exit(0 if caught else 3)
     os._exit(4)  # the ranks trained different models and nothing noticed

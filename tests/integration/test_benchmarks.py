@@ -25,9 +25,10 @@ def test_steady_rate_weights_windows_by_their_steps():
     assert steady_samples_per_s(events, warmup=2) == pytest.approx(8 / (2 / 100 + 6 / 50))
 
 
-def test_interleave_mirrors_every_other_round():
-    assert interleave(["a", "b", "c"], 2) == [(0, "a"), (0, "b"), (0, "c"),
-                                              (1, "c"), (1, "b"), (1, "a")]  # fmt: skip
+def test_interleave_puts_every_contender_in_every_position():
+    order = interleave(["a", "b", "c"], 3)
+    rounds = [[label for round_, label in order if round_ == r] for r in range(3)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
 
 
 def _fails(trial, ctx):
