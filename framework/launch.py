@@ -31,7 +31,6 @@ from framework.stopping import stop_signal_names
 from framework.train import run
 from framework.workers import (
     ReportedStop,
-    exit_now,
     failure_messages,
     raise_for_exit_codes,
     run_task,
@@ -131,9 +130,6 @@ def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, np
     timeout = timedelta(seconds=cfg.dist.timeout_s)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     run_worker(cfg, run_dir, env, store)
-    # A finished rank leaves as a failed one does, without the interpreter's shutdown: gloo's
-    # thread tearing down during it ended a successful rank abnormally once in CI.
-    exit_now(0)
 
 
 # --- launcher=torchrun: torch.distributed's elastic agent, in this process ---------------------
