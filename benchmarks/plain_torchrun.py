@@ -9,6 +9,11 @@ the first optimizer step (the moment the benchmark times), then the script ends.
 import os
 
 import torch
+
+# DDP's constructor imports torch._dynamo anyway. Imported there, after gloo's threads have
+# started, rank 1 aborted at exit ("terminate called without an active exception") in plain
+# PyTorch 2.13 too, so the baseline imports it first, as framework/distributed.py does.
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
