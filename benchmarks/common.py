@@ -23,7 +23,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import date, timedelta
 from pathlib import Path
 from typing import Any
@@ -302,11 +302,6 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-def spread(values: Sequence[float]) -> float:
-    """(max - min) / median: how much the repeats disagree."""
-    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
-
-
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
@@ -368,6 +363,3 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-__all__ = ["Trial", "TrialContext", "Work", "interleave", "replace", "run_pool"]

@@ -83,8 +83,8 @@ def _cifar_folder() -> type:
 
 def cifar10(root: str | None, download: bool = False, augment: bool = True, **_: object) -> Splits:
     """CIFAR-10 from a local folder in torchvision's layout (`cifar-10-batches-py`)."""
-    # torchvision is imported here, not at the top: importing it pulls in torch._dynamo (about
-    # 1.5 s), which every run that uses neither CIFAR-10 nor a ResNet would pay at start-up.
+    # torchvision is imported here, not at the top: runs that use neither CIFAR-10 nor a
+    # ResNet need not pay its import at start-up.
     import torchvision
     from torchvision import transforms
 

@@ -1,7 +1,7 @@
 """Small image classifiers. Each takes in_channels/num_classes from the data config.
 
-torchvision is imported inside the ResNet builders: importing it pulls in torch._dynamo (about
-1.5 s of start-up) that the MLP and the CNN do not need."""
+torchvision is imported inside the ResNet builders: the MLP and the CNN need not pay its import
+at start-up."""
 
 from __future__ import annotations
 
