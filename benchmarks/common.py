@@ -205,7 +205,7 @@ def _pool_worker(rank, port, nprocs, schedule, contenders, scratch, namespaces, 
         # Every rank finishes trial i before any starts trial i+1.
         store.set(f"done/{index}/{rank}", "1")
         store.wait([f"done/{index}/{r}" for r in range(nprocs)])
-    from framework.workers import exit_now
+    from framework.launch.worker import exit_now
 
     exit_now(0)  # as `train`'s ranks leave: without the interpreter's shutdown (gloo threads)
 
@@ -252,8 +252,7 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    import framework.train  # noqa: F401 (registers the resolvers and schemas)
-    from framework.config import validate
+    from framework.config import validate  # (registers the resolvers and schemas)
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)
@@ -268,10 +267,10 @@ def run_ours(trial: Trial, ctx: TrialContext, overrides: Sequence[str] = ()) -> 
 
 
 def run_train(overrides: list[str], ctx: TrialContext, warmup: int) -> dict[str, Any] | None:
-    """framework.train.run on this rank, what a spawned rank of `train` runs. Rank 0 returns
+    """framework.rank.run on this rank, what a spawned rank of `train` runs. Rank 0 returns
     the summary, the train events of metrics.jsonl and the steady samples/s after `warmup`."""
-    from framework.distributed import DistEnv
-    from framework.train import run
+    from framework.context import DistEnv
+    from framework.rank import run
 
     cfg = compose(overrides)
     run_dir = ctx.scratch / "run"

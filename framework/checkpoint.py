@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from framework.config import ConfigError
-from framework.distributed import DistEnv, broadcast_object
+from framework.context import DistEnv
+from framework.distributed import broadcast_object
+from framework.outcomes import CheckpointError
 
 log = logging.getLogger("framework")
 
@@ -45,10 +46,6 @@ RESUMABLE_CHANGES = (
     "data.persistent_workers", "data.eval_batch_size", "data.root", "data.download",
     "allowed_targets", "objective", "trainer.compile", "trainer.channels_last",
 )  # fmt: skip
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used: one line naming the file and the fix."""
 
 
 # --- what a checkpoint must match ----------------------------------------------------------
@@ -149,7 +146,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as file:
@@ -182,10 +179,10 @@ def write(directory: Path, step: int, payload: dict[str, Any], keep: int) -> Pat
     """Save atomically, point last.pt at it, then drop all but the newest `keep`."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:08d}.pt"
-    _atomic_write(path, lambda file: torch.save(payload, file))
+    atomic_write(path, lambda file: torch.save(payload, file))
     sidecar = {"format": FORMAT, "step": step, "bytes": path.stat().st_size,
                "sha256": _sha256(path)}  # fmt: skip
-    _atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(sidecar).encode()))
+    atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(sidecar).encode()))
     link = directory / f".last.pt.tmp-{os.getpid()}"
     link.unlink(missing_ok=True)
     os.symlink(path.name, link)
@@ -243,10 +240,10 @@ class Checkpointer:
     """Saves (gathering every rank's state to rank 0) and finds the checkpoint to resume."""
 
     def __init__(
-        self, cfg: DictConfig, run_dir: Path, env: DistEnv, settings: dict[str, str]
+        self, cfg: DictConfig, directory: Path, env: DistEnv, settings: dict[str, str]
     ) -> None:
         self.cfg, self.env = cfg, env
-        self.directory = run_dir / "checkpoints"
+        self.directory = directory
         self.settings = settings
         self.wandb_run_id: str | None = None
         self.last_path: Path | None = None
@@ -321,21 +318,3 @@ def _gather_to_main(item: Any, env: DistEnv) -> list[Any]:
     gathered: list[Any] = [None] * env.world_size if env.is_main else []
     dist.gather_object(item, gathered if env.is_main else None, dst=0)
     return gathered
-
-
-def trim_metrics(path: Path, step: int) -> int:
-    """Drop events after `step` (they are re-run after a resume); returns how many went."""
-    if not path.exists():
-        return 0
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if _event_step(line) <= step]
-    if len(kept) != len(lines):
-        _atomic_write(path, lambda file: file.write("".join(kept).encode()))
-    return len(lines) - len(kept)
-
-
-def _event_step(line: str) -> float:
-    try:
-        return json.loads(line).get("step", -1)
-    except json.JSONDecodeError:
-        return float("inf")  # a line cut short by a kill: drop it

@@ -9,7 +9,8 @@
   collectives and aborts the job (see the field notes). Waiting costs little overlap because
   PowerSGD sends a few hundred KB per step.
 
-Every hook counts the bytes it puts on the wire; `comm/compression` is the fp32 gradient
+Built from `comm=<option>` by `_target_` (a partial: the rank supplies its DistEnv). Every hook
+counts the bytes it puts on the wire; `comm/compression` is the fp32 gradient
 size over the bytes actually sent in the last synchronisation.
 """
 
@@ -25,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from framework.distributed import DistEnv
+from framework.config.schemas import PowerSGDConfig as Defaults
+from framework.context import DistEnv
 
 log = logging.getLogger(__name__)
 ScaleSource = Callable[[], torch.Tensor | None]
@@ -50,7 +52,7 @@ class Comm:
     name = "allreduce"
     uses_hook = False
 
-    def __init__(self, env: DistEnv, **_: Any) -> None:
+    def __init__(self, env: DistEnv) -> None:
         self.env = env
         # Keep per-rank memory (PowerSGD) untouched by a step whose gradients are inf/NaN, as
         # with amp: set when such steps are skipped (trainer.on_nonfinite=skip).
@@ -113,11 +115,11 @@ class CompressedAllreduce(Comm):
         "bf16": default_hooks.bf16_compress_hook,
     }
 
-    def __init__(self, env: DistEnv, name: str, **_: Any) -> None:
+    def __init__(self, env: DistEnv, wire: str) -> None:
         super().__init__(env)
-        self.name = name
-        self.hook = self.torch_hooks[name]
-        self.wire_itemsize = WIRE_DTYPES[name].itemsize
+        self.name = wire
+        self.hook = self.torch_hooks[wire]
+        self.wire_itemsize = WIRE_DTYPES[wire].itemsize
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         # One allreduce per bucket, issued right here in bucket order: safe on gloo.
@@ -145,15 +147,14 @@ class PowerSGD(Comm):
     def __init__(
         self,
         env: DistEnv,
-        rank: int = 2,
-        start_iter: int = 10,
-        min_compression_rate: float = 2.0,
-        error_feedback: bool = True,
-        warm_start: bool = True,
-        orthogonalization_epsilon: float = 0.0,
-        compress: str | None = None,
-        seed: int = 0,
-        **_: Any,
+        rank: int = Defaults.rank,
+        start_iter: int = Defaults.start_iter,
+        min_compression_rate: float = Defaults.min_compression_rate,
+        error_feedback: bool = Defaults.error_feedback,
+        warm_start: bool = Defaults.warm_start,
+        orthogonalization_epsilon: float = Defaults.orthogonalization_epsilon,
+        compress: str | None = Defaults.compress,
+        seed: int = Defaults.seed,
     ) -> None:
         super().__init__(env)
         self.rank = rank
@@ -376,15 +377,3 @@ def _split(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tens
     """Matrix views of consecutive pieces of a flat buffer."""
     parts = flat.split([rows * cols for rows, cols in shapes])
     return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
-
-
-def build_comm(cfg: dict, env: DistEnv) -> Comm:
-    options = dict(cfg)
-    name = options.pop("name")
-    if name == "allreduce":
-        return Comm(env)
-    if name in WIRE_DTYPES:
-        return CompressedAllreduce(env, name)
-    if name == "powersgd":
-        return PowerSGD(env, **options)
-    raise ValueError(f"comm={name} is unknown: choose allreduce, fp16, bf16 or powersgd")

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
-from framework.distributed import DistEnv
+from framework.config.schemas import Cifar10Config, DigitsConfig, SyntheticConfig
+from framework.context import DistEnv
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class Splits:
     val: Dataset
 
 
-def digits(val_fraction: float = 0.2, split_seed: int = 0, **_: object) -> Splits:
+def digits(val_fraction: float = DigitsConfig.val_fraction,
+           split_seed: int = DigitsConfig.split_seed, **_: object) -> Splits:  # fmt: skip
     """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes."""
     from sklearn.datasets import load_digits
 
@@ -41,12 +43,12 @@ def digits(val_fraction: float = 0.2, split_seed: int = 0, **_: object) -> Split
 
 
 def synthetic(
-    train_size: int = 2048,
-    val_size: int = 512,
-    in_channels: int = 3,
-    image_size: int = 32,
-    num_classes: int = 10,
-    seed: int = 0,
+    train_size: int = SyntheticConfig.train_size,
+    val_size: int = SyntheticConfig.val_size,
+    in_channels: int = SyntheticConfig.in_channels,
+    image_size: int = SyntheticConfig.image_size,
+    num_classes: int = SyntheticConfig.num_classes,
+    seed: int = SyntheticConfig.seed,
     **_: object,
 ) -> Splits:
     """Random CIFAR-shaped images; labels come from a fixed random projection, so they are
@@ -81,7 +83,8 @@ def _cifar_folder() -> type:
     return CifarFolder
 
 
-def cifar10(root: str | None, download: bool = False, augment: bool = True, **_: object) -> Splits:
+def cifar10(root: str | None, download: bool = Cifar10Config.download,
+            augment: bool = Cifar10Config.augment, **_: object) -> Splits:  # fmt: skip
     """CIFAR-10 from a local folder in torchvision's layout (`cifar-10-batches-py`)."""
     # torchvision is imported here, not at the top: runs that use neither CIFAR-10 nor a
     # ResNet need not pay its import at start-up.
@@ -145,6 +148,22 @@ def _loader_options(data_cfg, device: torch.device) -> dict:
         "pin_memory": bool(data_cfg["pin_memory"]) and device.type == "cuda",
         "persistent_workers": bool(data_cfg["persistent_workers"]) and workers > 0,
     }
+
+
+@dataclass(frozen=True)
+class Loaders:
+    """This rank's loaders: its shard of the training set (resumable mid-epoch) and of the
+    validation set (every sample exactly once over all ranks)."""
+
+    train: DataLoader
+    sampler: ResumableSampler
+    val: DataLoader
+
+
+def build_loaders(splits: Splits, data_cfg, env: DistEnv, seed: int,
+                  device: torch.device) -> Loaders:  # fmt: skip
+    train, sampler = train_loader(splits.train, data_cfg, env, seed, device)
+    return Loaders(train, sampler, eval_loader(splits.val, data_cfg, env, device))
 
 
 def train_loader(

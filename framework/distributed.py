@@ -1,4 +1,4 @@
-"""Where this process sits in the job (DistEnv), process-group lifetime and DDP wrapping."""
+"""Device and backend choice, process-group lifetime, DDP wrapping and small collectives."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -20,59 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from framework.context import DistEnv
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """This process's place in the job, discovered once and never mutated."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    source: str = "single"  # single | local | elastic (launcher=torchrun) | torchrun | slurm
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
-        """Ranks from torchrun's variables, else one process."""
-        env = os.environ if environ is None else environ
-        if "RANK" in env and "WORLD_SIZE" in env:
-            world_size = int(env["WORLD_SIZE"])
-            return cls(
-                rank=int(env["RANK"]),
-                local_rank=int(env.get("LOCAL_RANK", 0)),
-                world_size=world_size,
-                local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
-                source="torchrun",
-            )
-        return cls()
-
-
-def launched_rank() -> int:
-    """This process's rank as its launcher announced it, before any process group exists:
-    torchrun's RANK, a submitit task's global rank (launcher=slurm|slurm_local), else 0."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    if "SUBMITIT_EXECUTOR" in os.environ:
-        import submitit
-
-        return submitit.JobEnvironment().global_rank
-    return 0
-
-
-def started_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-    )
 
 
 def pick_device(env: DistEnv) -> torch.device:

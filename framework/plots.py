@@ -8,11 +8,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from framework.rundir import RunDir
+
 log = logging.getLogger("framework")
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -47,7 +49,7 @@ def plot_run(run_dir: Path) -> Path | None:
     accuracy_axes.set(xlabel="optimizer step", ylabel="accuracy", title="validation accuracy")
     figure.suptitle("/".join(run_dir.parts[-3:]))
     figure.tight_layout()
-    path = run_dir / "curves.png"
+    path = RunDir(run_dir).curves
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path

@@ -1,5 +1,7 @@
 """Numeric precision as one small object: forward context, backward, optimizer step, state.
 
+Built from `precision=<option>` by `_target_` (a partial: the rank supplies the device).
+
 fp32: plain. bf16: autocast to bfloat16, no scaling (bf16 has fp32's exponent range).
 amp: autocast to float16 with a dynamically scaled loss (GradScaler); gradients are unscaled
 before clipping and a step with inf/NaN gradients is skipped.
@@ -14,6 +16,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from framework.config.schemas import AmpConfig
+
 
 class Precision:
     """fp32: the reference; subclasses change only what differs."""
@@ -21,7 +25,7 @@ class Precision:
     name = "fp32"
     skips_nonfinite_grads = False  # True where the step itself skips inf/NaN gradients
 
-    def __init__(self, device: torch.device, **_: Any) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.skipped_steps = 0
 
@@ -67,11 +71,10 @@ class AMP(Precision):
     def __init__(
         self,
         device: torch.device,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        **_: Any,
+        init_scale: float = AmpConfig.init_scale,
+        growth_factor: float = AmpConfig.growth_factor,
+        backoff_factor: float = AmpConfig.backoff_factor,
+        growth_interval: int = AmpConfig.growth_interval,
     ) -> None:
         super().__init__(device)
         self.scaler = torch.amp.GradScaler(
@@ -120,14 +123,3 @@ class AMP(Precision):
         super().load_state_dict(state)
         self._skipped.fill_(self.skipped_steps)
         self.scaler.load_state_dict(state["scaler"])
-
-
-PRECISIONS: dict[str, type[Precision]] = {"fp32": Precision, "bf16": BF16, "amp": AMP}
-
-
-def build_precision(cfg: dict, device: torch.device) -> Precision:
-    options = dict(cfg)
-    name = options.pop("name")
-    if name not in PRECISIONS:
-        raise ValueError(f"precision={name} is unknown: choose one of {sorted(PRECISIONS)}")
-    return PRECISIONS[name](device, **options)

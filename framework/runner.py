@@ -12,28 +12,33 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from framework.checkpoint import Checkpointer, check_model_keys, restore_rng, rng_state
 from framework.comm import Comm
-from framework.data import ResumableSampler
-from framework.distributed import DistEnv, all_reduce_sum
-from framework.metrics import MetricSink
+from framework.context import DistEnv
+from framework.data import Loaders
+from framework.distributed import all_reduce_sum
+from framework.outcomes import ReplicasDiverged, Stopped
 from framework.precision import Precision
-from framework.stopping import NonFiniteLoss, StepAgreement, StopRun, Verdict
+from framework.sinks import MetricSink
+from framework.stopping import NonFinitePolicy, StepAgreement, StopRequests, Verdict
 
 log = logging.getLogger("framework")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -46,6 +51,30 @@ class TrainState:
     train_seconds: float = 0.0
     nonfinite_skipped: int = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model in its three roles."""
+
+    train: nn.Module  # what forward/backward run on (DDP-wrapped, compiled)
+    module: nn.Module  # the bare model under it: its state_dict is what is saved
+    ema: AveragedModel | None = None  # evaluated instead of `module` when set
+
+
+@dataclass(frozen=True)
+class Optimization:
+    optimizer: Optimizer
+    scheduler: LRScheduler
+    precision: Precision
+    comm: Comm
+
 
 def micro_batch_groups(loader: Iterable, size: int) -> Iterator[list]:
     """Consecutive groups of `size` micro-batches; a short tail group is dropped."""
@@ -55,50 +84,50 @@ def micro_batch_groups(loader: Iterable, size: int) -> Iterator[list]:
 
 
 class Runner:
+    """fit() trains to the planned step, saving, logging and evaluating on the way.
+
+    What a checkpoint holds is the registry below: `shared` (identical on every rank; rank 0's
+    copy is saved) and `per_rank` (RNG streams, the loader's position, comm-hook memory). A new
+    stateful component is one entry with state_dict() / load_state_dict()."""
+
     def __init__(
         self,
         *,
         env: DistEnv,
         device: torch.device,
-        model: nn.Module,  # what forward/backward run on (DDP-wrapped when distributed)
-        module: nn.Module,  # the bare model under it
-        optimizer: Optimizer,
-        scheduler: LRScheduler,
-        precision: Precision,
-        comm: Comm,
-        train_loader: DataLoader,
-        train_sampler: ResumableSampler,
-        val_loader: DataLoader,
+        trainer: SimpleNamespace,  # trainer.* as plain attributes (read every step)
+        model: Model,
+        loaders: Loaders,
+        optimization: Optimization,
         sink: MetricSink,
-        trainer_cfg: Any,
-        global_batch_size: int,
-        agreement: StepAgreement,
         checkpointer: Checkpointer,
-        ema: AveragedModel | None = None,
+        stop_requests: StopRequests,
     ) -> None:
-        self.env, self.device = env, device
-        self.model, self.module, self.ema = model, module, ema
-        self.params = list(module.parameters())  # walked every step: listed once
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.precision, self.comm = precision, comm
-        self.train_loader, self.train_sampler, self.val_loader = (
-            train_loader,
-            train_sampler,
-            val_loader,
-        )
-        # A plain namespace: the loop reads these keys every step, and an OmegaConf attribute
-        # read costs ~10 us (1.5% of a digits step, profiled with py-spy).
-        if isinstance(trainer_cfg, DictConfig):
-            trainer_cfg = SimpleNamespace(**OmegaConf.to_container(trainer_cfg, resolve=True))
-        self.sink, self.cfg = sink, trainer_cfg
-        self.global_batch_size = global_batch_size
-        self.steps_per_epoch = len(train_loader) // trainer_cfg.grad_accum
-        self.total_steps = planned_steps(trainer_cfg, self.steps_per_epoch)
-        self.agreement, self.checkpointer = agreement, checkpointer
+        self.env, self.device, self.cfg = env, device, trainer
+        self.model, self.module, self.ema = model.train, model.module, model.ema
+        self.params = list(model.module.parameters())  # walked every step: listed once
+        self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
+        self.precision, self.comm = optimization.precision, optimization.comm
+        self.train_loader, self.train_sampler = loaders.train, loaders.sampler
+        self.val_loader = loaders.val
+        self.sink, self.checkpointer = sink, checkpointer
+        self.global_batch_size = loaders.train.batch_size * env.world_size * trainer.grad_accum
+        self.steps_per_epoch = len(loaders.train) // trainer.grad_accum
+        self.total_steps = planned_steps(trainer, self.steps_per_epoch)
+        self.agreement = StepAgreement(env, device, stop_requests)
+        self.nonfinite = NonFinitePolicy(trainer.on_nonfinite)
         self.state = TrainState()
         self.window = _Window(device)
-        self._resumed_rank_state: dict[str, Any] | None = None
-        self._epoch_generator_state = train_loader.generator.get_state()
+        self.rng = _RNGStreams()
+        self.position = _LoaderPosition(loaders.train.generator)
+        self.shared: dict[str, Stateful | None] = {
+            "model": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler,
+            "precision": self.precision, "ema": self.ema, "trainer": self.state,
+        }  # fmt: skip
+        self.per_rank: dict[str, Stateful] = {
+            "rng": self.rng, "loader_generator": self.position, "comm": self.comm,
+            "window": self.window,
+        }  # fmt: skip
 
     # --- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -140,7 +169,7 @@ class Runner:
         self.state.train_seconds += window.pause()
         if stop_signal:
             path = self.save_checkpoint() if final_save else None
-            raise StopRun(stop_signal, self.state.step, path and str(path))
+            raise Stopped(stop_signal, self.state.step, path and str(path))
         if final_save:
             self.save_checkpoint()
         self.check_replicas_agree()
@@ -152,16 +181,10 @@ class Runner:
         done_in_epoch = self.state.step - self.state.epoch * self.steps_per_epoch
         self.train_sampler.set_epoch(self.state.epoch, skip=done_in_epoch * self.cfg.grad_accum
                                      * self.train_loader.batch_size)  # fmt: skip
-        generator = self.train_loader.generator
-        resumed = self._resumed_rank_state
-        if resumed is not None:
-            generator.set_state(resumed["loader_generator"])
-        self._epoch_generator_state = generator.get_state()  # iter() below draws from it
+        self.position.start_epoch()  # iter() below draws from the loader's generator
         batches = iter(self.train_loader)
-        if resumed is not None:
-            # After iter(): building the iterator must not consume the restored streams.
-            restore_rng(resumed["rng"])
-            self._resumed_rank_state = None
+        # After iter(): building the iterator must not consume the restored streams.
+        self.rng.apply_restored()
         return batches
 
     def to_device(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -191,7 +214,7 @@ class Runner:
         if self._grads_finite():
             verdict = previous
             if verdict.nonfinite_loss_ranks:  # a loss went bad alone one step ago
-                self._nonfinite(verdict.nonfinite_loss_ranks, step=self.state.step, kept=True)
+                self._on_nonfinite(verdict.nonfinite_loss_ranks, step=self.state.step, kept=True)
             self.precision.step(self.optimizer, self.module.parameters(), self.cfg.clip_grad_norm)
             if self.ema is not None:
                 self.ema.update_parameters(self.module)
@@ -202,7 +225,7 @@ class Runner:
             current = self.agreement.collect()
             verdict = Verdict(previous.stop_signal or current.stop_signal,
                               current.nonfinite_loss_ranks)  # fmt: skip
-            self._nonfinite(current.nonfinite_loss_ranks, step=self.state.step + 1, kept=False)
+            self._on_nonfinite(current.nonfinite_loss_ranks, step=self.state.step + 1, kept=False)
             mean_loss = None
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -217,27 +240,10 @@ class Runner:
         grads = [p.grad for p in self.params if p.grad is not None]
         return not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
-    def _nonfinite(self, loss_ranks: list[int], step: int, kept: bool) -> None:
-        """Stop (trainer.on_nonfinite=stop) or skip; `kept`: only the loss of `step` went bad,
-        its gradients were finite and its update was applied."""
-        if loss_ranks:
-            what = f"loss on rank(s) {', '.join(map(str, loss_ranks))}"
-        else:
-            what = "gradients (identical on every rank)"
-        where = f"non-finite {what} at step {step} (epoch {self.state.epoch})"
-        if kept:
-            where += " with finite gradients (that update was applied)"
-        if self.cfg.on_nonfinite == "stop":
-            last = self.checkpointer.last_path
-            saved = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
-            raise NonFiniteLoss(
-                f"{where}: stopped without saving; {saved}. Lower optimizer.lr, set "
-                "trainer.clip_grad_norm, or set trainer.on_nonfinite=skip to skip such steps"
-            )
-        if not kept:
-            self.state.nonfinite_skipped += 1
-        log.warning("%s: %s (trainer.on_nonfinite=skip)", where,
-                    "continuing" if kept else "update skipped")  # fmt: skip
+    def _on_nonfinite(self, loss_ranks: list[int], step: int, kept: bool) -> None:
+        self.state.nonfinite_skipped += self.nonfinite.handle(
+            loss_ranks, step, self.state.epoch, kept, self.checkpointer.last_path
+        )
 
     def epochs_done(self) -> float:
         return round(self.state.step / max(self.steps_per_epoch, 1), 4)
@@ -289,45 +295,24 @@ class Runner:
 
     # --- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.state.step, self._shared_state, self._rank_state())
+        def shared() -> dict[str, Any]:  # built on rank 0 only
+            states = {key: None if item is None else item.state_dict()
+                      for key, item in self.shared.items()}  # fmt: skip
+            return {**states, "steps_per_epoch": self.steps_per_epoch}
 
-    def _shared_state(self) -> dict[str, Any]:
-        """What is identical on every rank (rank 0's copy is saved)."""
-        return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "precision": self.precision.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-            "trainer": dataclasses.asdict(self.state),
-            "steps_per_epoch": self.steps_per_epoch,
-        }
-
-    def _rank_state(self) -> dict[str, Any]:
-        """What differs per rank: RNG streams, the loader's generator, comm-hook memory, and
-        the loss of the current logging window."""
-        return {
-            "rng": rng_state(),
-            "loader_generator": self._epoch_generator_state,
-            "comm": self.comm.state_dict(),
-            "window": {"loss_sum": self.window.loss_sum.cpu(), "steps": self.window.steps},
-        }
+        per_rank = {key: item.state_dict() for key, item in self.per_rank.items()}
+        return self.checkpointer.save(self.state.step, shared, per_rank)
 
     def load_checkpoint(self, path: Path, payload: dict[str, Any]) -> None:
-        """Restore everything; the RNG streams are applied when fit() rebuilds the iterator."""
+        """Restore every registered state; the RNG streams and the loader's position apply
+        when fit() builds the epoch's iterator."""
         check_model_keys(path, payload["model"], self.module)
-        self.module.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self.scheduler.load_state_dict(payload["scheduler"])
-        self.precision.load_state_dict(payload["precision"])
-        if self.ema is not None and payload["ema"] is not None:
-            self.ema.load_state_dict(payload["ema"])
-        self.state = TrainState(**payload["trainer"])
+        for key, item in self.shared.items():
+            if item is not None and payload[key] is not None:
+                item.load_state_dict(payload[key])
         mine = payload["ranks"][self.env.rank]
-        self.comm.load_state_dict(mine["comm"])
-        self.window.loss_sum.copy_(mine["window"]["loss_sum"])
-        self.window.steps = mine["window"]["steps"]
-        self._resumed_rank_state = mine
+        for key, item in self.per_rank.items():
+            item.load_state_dict(mine[key])
 
     def check_replicas_agree(self) -> None:
         """DDP keeps every rank's weights bit-identical. If they differ, the ranks did not
@@ -366,10 +351,6 @@ class Runner:
         return summary
 
 
-class ReplicasDiverged(RuntimeError):
-    """The ranks' weights differ at the end of training."""
-
-
 class _Window:
     """Loss and training time since the last log event; the loss stays on device."""
 
@@ -400,6 +381,54 @@ class _Window:
         self.steps, self.seconds = 0, 0.0
         self.resume()
         return seconds
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_sum": self.loss_sum.cpu(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_sum.copy_(state["loss_sum"])
+        self.steps = state["steps"]
+
+
+class _RNGStreams:
+    """This process's python, numpy, torch and CUDA streams. A restored state is applied only
+    after the next epoch's iterator exists: building it draws from the global stream."""
+
+    def __init__(self) -> None:
+        self._restored: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = state
+
+    def apply_restored(self) -> None:
+        if self._restored is not None:
+            restore_rng(self._restored)
+            self._restored = None
+
+
+class _LoaderPosition:
+    """The training loader's generator as the current epoch began (shuffling and workers' seeds
+    come from it); the sampler's skip count comes from the step."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self._restored: torch.Tensor | None = None
+        self._epoch_start = generator.get_state()
+
+    def start_epoch(self) -> None:
+        if self._restored is not None:
+            self.generator.set_state(self._restored)
+            self._restored = None
+        self._epoch_start = self.generator.get_state()
+
+    def state_dict(self) -> torch.Tensor:  # type: ignore[override]
+        return self._epoch_start
+
+    def load_state_dict(self, state: torch.Tensor) -> None:  # type: ignore[override]
+        self._restored = state
 
 
 def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:

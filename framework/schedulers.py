@@ -10,13 +10,18 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 
+from framework.config.schemas import CosineSchedulerConfig, StepSchedulerConfig
+
 
 def constant(optimizer: Optimizer, total_steps: int) -> LRScheduler:
     return LambdaLR(optimizer, lambda _: 1.0)
 
 
 def cosine_with_warmup(
-    optimizer: Optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0
+    optimizer: Optimizer,
+    total_steps: int,
+    warmup_steps: int = CosineSchedulerConfig.warmup_steps,
+    min_lr_ratio: float = CosineSchedulerConfig.min_lr_ratio,
 ) -> LRScheduler:
     """Linear warmup from ~0 to the base lr, then cosine decay to min_lr_ratio * base lr.
 
@@ -33,6 +38,9 @@ def cosine_with_warmup(
 
 
 def step(
-    optimizer: Optimizer, total_steps: int, step_size: int = 100, gamma: float = 0.1
+    optimizer: Optimizer,
+    total_steps: int,
+    step_size: int = StepSchedulerConfig.step_size,
+    gamma: float = StepSchedulerConfig.gamma,
 ) -> LRScheduler:
     return StepLR(optimizer, step_size=step_size, gamma=gamma)

@@ -9,18 +9,20 @@ rank, so each rank's own check agrees with all the others at that very step.
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
-from framework.distributed import DistEnv
+from framework.context import DistEnv
+from framework.outcomes import NonFiniteLoss
 
-STOPPED = 75  # exit code: stopped on a signal with a checkpoint; run the same command to resume
-INTERRUPTED = 130  # the same, after Ctrl-C (128 + SIGINT, what shells expect)
+log = logging.getLogger("framework")
 FORCE_AFTER_S = 2.0  # a second Ctrl-C this much later than the first one aborts at once
 
 
@@ -35,23 +37,6 @@ _RECEIVED: set[str] = set()  # signals are process-wide: so is the record of tho
 def received_signals() -> set[str]:
     """Every stop signal this process has received so far."""
     return set(_RECEIVED)
-
-
-class StopRun(Exception):
-    """Every rank stopped at the same step on a signal; a checkpoint holds that step."""
-
-    def __init__(self, signal_name: str, step: int, checkpoint: str | None) -> None:
-        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
-        saved = f"saved {checkpoint}" if checkpoint else "nothing saved (checkpoint.final=false)"
-        super().__init__(f"stopped on {signal_name} at step {step}; {saved}")
-
-    @property
-    def exit_code(self) -> int:
-        return INTERRUPTED if self.signal_name == "SIGINT" else STOPPED
-
-
-class NonFiniteLoss(RuntimeError):
-    """trainer.on_nonfinite=stop: every rank raises this at the same step."""
 
 
 class StopRequests:
@@ -135,3 +120,33 @@ class StepAgreement:
             stop_signal=(self.requests.signal_name or received[0]) if received else None,
             nonfinite_loss_ranks=[rank for rank, bad in enumerate(losses) if bad],
         )
+
+
+class NonFinitePolicy:
+    """trainer.on_nonfinite: a non-finite loss or gradient, seen by every rank at the same step,
+    stops the run there (saving nothing) or drops that update."""
+
+    def __init__(self, policy: str) -> None:
+        self.stops = policy == "stop"
+
+    def handle(self, loss_ranks: list[int], step: int, epoch: int, kept: bool,
+               last_checkpoint: Path | None) -> bool:  # fmt: skip
+        """Raise NonFiniteLoss or warn; `kept`: only the loss of `step` went bad, its gradients
+        were finite and its update was applied. Returns whether the update was dropped."""
+        if loss_ranks:
+            what = f"loss on rank(s) {', '.join(map(str, loss_ranks))}"
+        else:
+            what = "gradients (identical on every rank)"
+        where = f"non-finite {what} at step {step} (epoch {epoch})"
+        if kept:
+            where += " with finite gradients (that update was applied)"
+        if self.stops:
+            saved = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
+                     else "no checkpoint was saved")  # fmt: skip
+            raise NonFiniteLoss(
+                f"{where}: stopped without saving; {saved}. Lower optimizer.lr, set "
+                "trainer.clip_grad_norm, or set trainer.on_nonfinite=skip to skip such steps"
+            )
+        log.warning("%s: %s (trainer.on_nonfinite=skip)", where,
+                    "continuing" if kept else "update skipped")  # fmt: skip
+        return not kept

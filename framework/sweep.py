@@ -15,18 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
-from hydra.errors import CompactHydraException
 
 from framework.plots import plot_sweep, try_plot
+from framework.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 METRICS = ("val/accuracy", "val/loss", "steps", "samples_per_s", "wall_s")
-
-
-class JobFailed(CompactHydraException):
-    """A sweep job failed: Hydra records it and goes on with the other jobs; the message is
-    the job's row in the summary, and Hydra prints it once the sweep is over."""
 
 
 @dataclass
@@ -46,7 +41,7 @@ class JobRow:
         completed = ret.status == JobStatus.COMPLETED
         # Hydra's working_dir is the cwd (hydra.job.chdir=false); the job's dir is the output dir.
         run_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir if ret.hydra_cfg else ret.working_dir)
-        summary_file = run_dir / "summary.json"
+        summary_file = RunDir(run_dir).summary
         found = completed and summary_file.exists()
         metrics = json.loads(summary_file.read_text()) if found else {}
         return cls(

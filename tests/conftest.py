@@ -13,8 +13,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import validate
-from framework.train import CONF_DIR
+from framework.config import CONF_DIR, validate
 
 REPO = Path(__file__).resolve().parent.parent
 DIST_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -127,8 +126,8 @@ def train_many(jobs: list[tuple[DictConfig, Path]], world_size: int = 2) -> list
 
 
 def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
-    from framework.distributed import DistEnv
-    from framework.train import run
+    from framework.context import DistEnv
+    from framework.rank import run
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
                   source="local")  # fmt: skip

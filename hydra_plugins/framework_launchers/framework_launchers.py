@@ -37,6 +37,8 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
 )
 from omegaconf import OmegaConf, open_dict
 
+from framework.outcomes import JobFailed
+
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often the submitting process looks for a job's result
@@ -79,8 +81,6 @@ class _SubmititSweep:
         self.summary = _summary(config)
 
     def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
-        from framework.sweep import JobFailed
-
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info("Submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
@@ -107,8 +107,6 @@ class _SubmititSweep:
         """Rank 0's JobReturn. A completed one counts at once; a failed one once the job has
         left the queue (a requeued job runs again and writes a new one); none, RESULT_GRACE_S
         after the job left the queue (a shared filesystem may show a new file late)."""
-        from framework.sweep import JobFailed
-
         rank0 = job.task(0)
         ended_at: float | None = None
         state, state_at = "UNKNOWN", 0.0
@@ -129,8 +127,6 @@ class _SubmititSweep:
 
     def _as_return(self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
                    ) -> JobReturn:  # fmt: skip
-        from framework.sweep import JobFailed
-
         kind, value = outcome
         if kind == "success":
             return value  # Hydra's JobReturn, status FAILED

@@ -7,10 +7,13 @@ import copy
 
 import pytest
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from framework.comm import PowerSGD, build_comm
-from framework.distributed import DistEnv
+from framework.comm import PowerSGD
+from framework.config.schemas import SCHEMAS
+from framework.context import DistEnv
 from framework.models import MLP, resnet18_cifar
 from framework.precision import AMP
 from tests.conftest import spawn_ranks
@@ -32,6 +35,13 @@ def batch(rank: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 1, 8, 8, generator=generator), torch.randint(
         0, 10, (16,), generator=generator
     )
+
+
+def build_comm(options: dict, env: DistEnv):
+    """comm=<name> with these knobs, built as a rank builds it (by its schema's _target_)."""
+    options = dict(options)
+    schema = OmegaConf.structured(SCHEMAS["comm"][options.pop("name")])
+    return instantiate(OmegaConf.merge(schema, options))(env=env)
 
 
 def grads_with(comm_cfg: dict | None, rank: int, world_size: int, bucket_cap_mb: float = 25):

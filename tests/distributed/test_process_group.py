@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from framework.distributed import DistEnv, process_group
+from framework.context import DistEnv
+from framework.distributed import process_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -8,9 +8,9 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from framework.distributed import DistEnv
-from framework.runner import ReplicasDiverged
-from framework.train import run
+from framework.context import DistEnv
+from framework.outcomes import ReplicasDiverged
+from framework.rank import run
 from tests.conftest import TINY, make_cfg, prepare_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.stopping import INTERRUPTED, STOPPED
+from framework.outcomes import ExitCode
 from tests.conftest import DIST_ENV_VARS, FAULTS, REPO, read_metrics, run_cli
 from tests.faults import FAULT_ENV, assert_same_weights, final_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+STOPPED, INTERRUPTED = ExitCode.STOPPED, ExitCode.INTERRUPTED
 
 
 def processes_mentioning(text: str) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from framework.security import REDACTED
+from framework.redaction import REDACTED
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from framework import checkpoint
-from framework.checkpoint import CheckpointError, check_model_keys, newest_valid, read, write
+from framework.checkpoint import check_model_keys, newest_valid, read, write
+from framework.outcomes import CheckpointError
 from tests.conftest import REPO
 
 

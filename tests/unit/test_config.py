@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
+from omegaconf import OmegaConf
 
-from framework.config import ConfigError, validate
-from framework.train import build_optimizer, scaled_lr
+from framework.config import validate
+from framework.config.schemas import SCHEMAS
+from framework.optim import build_optimizer, scaled_lr
+from framework.outcomes import ConfigError
 from tests.conftest import CONF_DIR, make_cfg
 
 
@@ -116,3 +122,45 @@ def test_composition_errors_name_the_key(override, expected):
 def test_cross_field_errors_name_the_setting(overrides, expected):
     with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
         validate(make_cfg(*overrides))
+
+
+# --- one source of defaults: the schemas in framework/config/schemas.py ----------------------
+def option_files() -> list[Path]:
+    return sorted(p for p in CONF_DIR.glob("*/*.yaml") if p.parent.name != "experiment")
+
+
+@pytest.mark.parametrize("path", option_files(), ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_option_files_only_pick_their_schema_and_hold_no_values(path):
+    """A value in an option's YAML would be a second default next to its schema's."""
+    content = OmegaConf.to_container(OmegaConf.load(path))
+    assert content.pop("defaults")[0].startswith(f"/schema/{path.parent.name}/")
+    content.pop("hydra", None)  # Hydra's own node (launchers pass their keys on)
+    assert content == {}, f"{path} sets values: move them to its schema"
+
+
+def test_the_root_config_only_picks_options():
+    content = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))
+    assert sorted(content) == ["defaults", "hydra"]
+
+
+def schema_targets() -> list[tuple[type, str]]:
+    return [(schema, schema._target_) for options in SCHEMAS.values()
+            for schema in options.values()
+            if isinstance(getattr(schema, "_target_", None), str)
+            and schema._target_.startswith("framework.")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "target"), schema_targets(), ids=lambda v: str(v)[-40:])
+def test_constructor_defaults_are_the_schemas(schema, target):
+    """A component's own default for a config key must be the schema's (so calling it
+    directly, as tests do, gives what `train` gives)."""
+    fields = {field.name: field for field in dataclasses.fields(schema)}
+    for name, parameter in inspect.signature(get_object(target)).parameters.items():
+        if name in fields and parameter.default is not inspect.Parameter.empty:
+            assert parameter.default == fields[name].default, f"{target}({name}=...)"
+
+
+def test_sgd_weight_decay_is_the_documented_default():
+    """The value conf/optimizer/sgd.yaml carried, once a second default next to the schema's."""
+    assert make_cfg("optimizer=sgd").optimizer.weight_decay == 5e-4
+    assert make_cfg("optimizer=adamw").optimizer.weight_decay == 0.01

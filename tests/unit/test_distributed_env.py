@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from framework.config import ConfigError
-from framework.distributed import DistEnv
+from framework.context import DistEnv
+from framework.outcomes import ConfigError
 
 
 def test_torchrun_variables():
@@ -21,7 +21,8 @@ def test_torchrun_variables():
 def test_a_slurm_task_is_one_rank_and_rank_0_on_the_first_node_hosts_the_rendezvous(monkeypatch):
     from omegaconf import OmegaConf
 
-    from framework.slurm import rendezvous_port, task_env
+    from framework.context import rendezvous_port
+    from framework.launch.submitit import task_env
 
     slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "3",
              "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",

@@ -11,22 +11,20 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from framework.config import ConfigError, validate
-from framework.security import (
+from framework.config import validate
+from framework.outcomes import ConfigError
+from framework.redaction import (
     REDACTED,
     SecretFilter,
-    check_command_line,
-    check_targets,
     hide_command_line_secrets,
     is_secret_name,
-    matches_prefix,
     redact,
     redact_multirun_master,
     redacted_container,
     secret_values,
-    target_problem,
     write_hydra_record,
 )
+from framework.targets import check_command_line, check_targets, matches_prefix, target_problem
 from tests.conftest import CONF_DIR, REPO, make_cfg
 
 SECRET = "PLANTED-SECRET-123"
@@ -137,7 +135,8 @@ def test_every_shipped_option_and_experiment_passes_the_allowlist(override):
 REFUSED = [
     (["+hydra.callbacks.evil._target_=shutil.copy"], "hydra.callbacks.evil._target_=shutil.copy"),
     (["+hydra.callbacks.evil={_target_:builtins.open,file:x}"], "_target_=builtins.open"),
-    (["-m", "+hydra.callbacks.e._target_=choice(framework.config.ValidateBeforeRun,os.system)"],
+    (["-m",
+      "+hydra.callbacks.e._target_=choice(framework.hydra_callback.ValidateBeforeRun,os.system)"],
      "_target_=os.system"),
     (["hydra.launcher._target_=subprocess.Popen"], "_target_=subprocess.Popen"),
     (["hydra.sweeper._target_=importlib.import_module"], "_target_=importlib.import_module"),

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Protocol
+
+from framework.redaction import SecretFilter, known_secrets, redact
+from framework.rundir import RunDir
 
 log = logging.getLogger("framework")
 
@@ -43,15 +47,15 @@ class ConsoleSink(NullSink):
 class JsonlSink(NullSink):
     """metrics.jsonl: one JSON object per event; summary.json at the end."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (lives with the sink)
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self.file = open(run.metrics, "a", buffering=1)  # noqa: SIM115 (lives with the sink)
 
     def log(self, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps(metrics) + "\n")
 
     def summary(self, summary: dict[str, Any]) -> None:
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.run.summary.write_text(json.dumps(summary, indent=2) + "\n")
 
     def close(self) -> None:
         self.file.close()
@@ -68,11 +72,7 @@ class WandbSink(NullSink):
     """One W&B run per job, created on rank 0 only; offline without credentials."""
 
     def __init__(self, cfg: dict, run_dir: Path, config: dict, run_id: str | None = None) -> None:
-        import sys
-
         import wandb  # imported here: costs ~1 s and only rank 0 with logger=wandb needs it
-
-        from framework.security import known_secrets, redact
 
         secrets = known_secrets()
         # W&B stores sys.argv in the run's metadata. main() hides secret overrides; should a
@@ -89,7 +89,7 @@ class WandbSink(NullSink):
             tags=list(cfg["tags"]),
             name=cfg["run_name"] or run_dir.name,
             dir=str(run_dir),
-            config=config,  # redacted once by the caller (security.redacted_container)
+            config=config,  # redacted once by the caller (redaction.redacted_container)
             mode=mode,
             settings=settings,
             # The id is saved in checkpoints: a resumed or restarted run continues this W&B run.
@@ -144,31 +144,29 @@ class FanOut(NullSink):
 
 
 def build_sink(
-    is_main: bool, logger_cfg: dict, run_dir: Path, config: dict, run_id: str | None = None
+    is_main: bool, logger_cfg: dict, run: RunDir, config: dict, run_id: str | None = None
 ) -> MetricSink:
     if not is_main:
         return NullSink()
-    sinks: list[MetricSink] = [ConsoleSink(), JsonlSink(run_dir)]
+    sinks: list[MetricSink] = [ConsoleSink(), JsonlSink(run)]
     if logger_cfg["name"] == "wandb":
-        sinks.append(WandbSink(logger_cfg, run_dir, config, run_id))
+        sinks.append(WandbSink(logger_cfg, run.path, config, run_id))
     return FanOut(sinks)
 
 
-def setup_logging(is_main: bool, rank: int, run_dir: Path | None) -> None:
-    """Rank 0: INFO to the console and to run_dir/train.log. Other ranks: warnings only."""
+def setup_logging(is_main: bool, rank: int, log_file: Path | None) -> None:
+    """Rank 0: INFO to the console and to log_file (train.log). Other ranks: warnings only."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    from framework.security import SecretFilter  # imported here: it imports framework.config
-
     fmt = logging.Formatter(f"[%(asctime)s][rank {rank}] %(message)s", datefmt="%H:%M:%S")
     console = logging.StreamHandler()
     console.setFormatter(fmt)
     console.addFilter(SecretFilter())  # a secret in a message or traceback is redacted
     root.addHandler(console)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
-    if is_main and run_dir is not None:
-        file_handler = logging.FileHandler(run_dir / "train.log")
+    if is_main and log_file is not None:
+        file_handler = logging.FileHandler(log_file)
         file_handler.setFormatter(fmt)
         file_handler.addFilter(SecretFilter())
         root.addHandler(file_handler)

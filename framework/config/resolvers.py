@@ -1,0 +1,30 @@
+"""Resolvers the YAML files use: values that depend on how and where this process started."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import torch
+from omegaconf import OmegaConf
+
+from framework import context
+
+
+def run_stamp() -> str:
+    """The run dir below outputs/: date/time, or under an external torchrun the job's
+    rendezvous id, which every restart of the job shares, so a restarted rank 0 comes back
+    to the run dir (and checkpoints) of the first attempt."""
+    run_id = context.current().run_id()
+    if run_id is not None:
+        return f"torchrun/{run_id}"
+    return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
+
+
+def default_ranks() -> int:
+    """launcher.nproc_per_node's default: one rank per visible GPU, else 2 ranks on CPU."""
+    return torch.cuda.device_count() or 2
+
+
+def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("default_ranks", default_ranks, use_cache=True, replace=True)

@@ -1,0 +1,422 @@
+"""Typed config schemas, registered in Hydra's ConfigStore: the one source of every default.
+
+Every shipped group option's YAML is `defaults: [/schema/<group>/<option>@_here_]` and nothing
+else, so a typo or a wrong type fails at composition and names the key, and a default lives in
+exactly one place: here (tests/unit/test_config.py checks that YAML files and constructors hold
+no copy). Components are built by `_target_`; those that need runtime arguments (the optimizer
+its parameters, precision its device) are `_partial_`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+# --- models ---------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING
+    num_classes: int = "${data.num_classes}"  # type: ignore[assignment]
+    in_channels: int = "${data.in_channels}"  # type: ignore[assignment]
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    """Flatten + Linear/ReLU blocks; no BatchNorm or dropout (exact DDP parity tests)."""
+
+    _target_: str = "framework.models.MLP"
+    image_size: int = "${data.image_size}"  # type: ignore[assignment]
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 128])
+
+
+@dataclass
+class CNNConfig(ModelConfig):
+    """Three 3x3 conv layers + global average pooling; fits 8x8 digits and 32x32 CIFAR."""
+
+    _target_: str = "framework.models.SmallCNN"
+    width: int = 32
+
+
+@dataclass
+class ResNet18Config(ModelConfig):
+    _target_: str = "framework.models.resnet18_cifar"
+
+
+@dataclass
+class ResNet50Config(ModelConfig):
+    _target_: str = "framework.models.resnet50"
+
+
+# --- data -----------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    _target_: str = MISSING  # a function returning framework.data.Splits
+    batch_size: int = 32  # per rank; global batch = batch_size * world_size * grad_accum
+    eval_batch_size: int = 256
+    num_workers: int = 0
+    pin_memory: bool = True  # only takes effect on CUDA
+    persistent_workers: bool = True  # only takes effect with num_workers > 0
+    shuffle: bool = True
+    drop_last: bool = True  # training only; evaluation never drops or pads
+    in_channels: int = 3
+    image_size: int = 32
+    num_classes: int = 10
+
+
+@dataclass
+class DigitsConfig(DataConfig):
+    """scikit-learn's bundled digits: 1,797 real 8x8 grey images, 10 classes. No download."""
+
+    _target_: str = "framework.data.digits"
+    in_channels: int = 1
+    image_size: int = 8
+    val_fraction: float = 0.2  # held-out share (360 images)
+    split_seed: int = 0
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    """Random CIFAR-shaped tensors with learnable labels; sized by config, for throughput."""
+
+    _target_: str = "framework.data.synthetic"
+    train_size: int = 2048
+    val_size: int = 512
+    seed: int = 0
+
+
+@dataclass
+class Cifar10Config(DataConfig):
+    """CIFAR-10 from a local folder in torchvision's format (data.root)."""
+
+    _target_: str = "framework.data.cifar10"
+    batch_size: int = 128
+    eval_batch_size: int = 512
+    num_workers: int = 2
+    root: str | None = None  # .../cifar-10-batches-py, or its parent folder
+    download: bool = False  # fetch it (needs internet access)
+    augment: bool = True  # random crop + horizontal flip on the training split
+
+
+# --- optimisation ---------------------------------------------------------------------------
+class LrScaling(StrEnum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+@dataclass
+class OptimizerConfig:
+    _target_: str = MISSING
+    _partial_: bool = True
+    lr: float = 0.1
+    weight_decay: float = 0.0
+    # lr is given for reference_batch_size; scale it to the actual global batch.
+    lr_scaling: LrScaling = LrScaling.none
+    reference_batch_size: int = 256
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    _target_: str = "torch.optim.SGD"
+    weight_decay: float = 5e-4
+    momentum: float = 0.9
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    _target_: str = "torch.optim.AdamW"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+@dataclass
+class SchedulerConfig:
+    _target_: str = MISSING
+    _partial_: bool = True
+
+
+@dataclass
+class ConstantSchedulerConfig(SchedulerConfig):
+    _target_: str = "framework.schedulers.constant"
+
+
+@dataclass
+class CosineSchedulerConfig(SchedulerConfig):
+    """Linear warmup for warmup_steps, then cosine decay to min_lr_ratio * lr at the end."""
+
+    _target_: str = "framework.schedulers.cosine_with_warmup"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class StepSchedulerConfig(SchedulerConfig):
+    """Multiply the lr by gamma every step_size optimizer steps."""
+
+    _target_: str = "framework.schedulers.step"
+    step_size: int = 100
+    gamma: float = 0.1
+
+
+# --- precision and communication (built with the device / the rank's DistEnv) ---------------
+@dataclass
+class PrecisionConfig:
+    """fp32: plain float32."""
+
+    _target_: str = "framework.precision.Precision"
+    _partial_: bool = True
+
+
+@dataclass
+class BF16Config(PrecisionConfig):
+    """Autocast to bfloat16 (fp32's exponent range: no loss scaling). Runs on CPU and CUDA."""
+
+    _target_: str = "framework.precision.BF16"
+
+
+@dataclass
+class AmpConfig(PrecisionConfig):
+    """float16 autocast + GradScaler (dynamic loss scaling)."""
+
+    _target_: str = "framework.precision.AMP"
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0  # scale *= this after growth_interval clean steps
+    backoff_factor: float = 0.5  # scale *= this after a step with inf/NaN gradients
+    growth_interval: int = 2000
+
+
+@dataclass
+class CommConfig:
+    """DDP's built-in bucketed allreduce of fp32 gradients."""
+
+    _target_: str = "framework.comm.Comm"
+    _partial_: bool = True
+
+
+@dataclass
+class FP16CommConfig(CommConfig):
+    """Gradients cast to float16 for the allreduce (half the bytes), cast back after."""
+
+    _target_: str = "framework.comm.CompressedAllreduce"
+    wire: str = "fp16"
+
+
+@dataclass
+class BF16CommConfig(FP16CommConfig):
+    """Gradients cast to bfloat16 for the allreduce (half the bytes), cast back after."""
+
+    wire: str = "bf16"
+
+
+@dataclass
+class PowerSGDConfig(CommConfig):
+    """PowerSGD low-rank gradient compression (gloo-safe implementation in framework/comm.py)."""
+
+    _target_: str = "framework.comm.PowerSGD"
+    rank: int = 2  # matrix_approximation_rank: higher = more accurate, more bytes
+    start_iter: int = 10  # plain allreduce for this many steps first (torch's default: 1000)
+    min_compression_rate: float = 2.0  # compress a matrix only if it shrinks by this much
+    error_feedback: bool = True  # carry each rank's compression error into its next step
+    warm_start: bool = True  # reuse last step's Q instead of a fresh random one
+    orthogonalization_epsilon: float = 0.0  # > 0: Gram-Schmidt with this epsilon; 0: QR
+    compress: str | None = None  # fp16 | bf16: wire dtype of the uncompressed part
+    seed: int = 0  # random projections, identical on every rank
+
+
+# --- launch, logging, trainer ---------------------------------------------------------------
+@dataclass
+class LauncherConfig:
+    name: str = MISSING
+    nproc_per_node: int = 2  # ranks started on this machine
+
+
+@dataclass
+class LocalLauncherConfig(LauncherConfig):
+    """Spawn nproc_per_node ranks on this machine from the process Hydra started."""
+
+    name: str = "local"
+    nproc_per_node: int = "${default_ranks:}"  # type: ignore[assignment]  (one per GPU, else 2)
+
+
+@dataclass
+class TorchrunLauncherConfig(LauncherConfig):
+    """Workers started by torch.distributed's elastic agent (the engine behind `torchrun`)."""
+
+    name: str = "torchrun"
+    nproc_per_node: int = "${default_ranks:}"  # type: ignore[assignment]  (one per GPU, else 2)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = "localhost:0"  # host:port of node 0; port 0 picks a free one (1 node)
+    max_restarts: int = 0  # restart the whole group this many times after a worker dies
+    monitor_interval_s: float = 0.5
+
+
+@dataclass
+class SubmititLauncherConfig(LauncherConfig):
+    """One job per run (per sweep job) through hydra-submitit-launcher; one task per rank."""
+
+    name: str = MISSING
+    nproc_per_node: int = "${launcher.tasks_per_node}"  # type: ignore[assignment]
+    tasks_per_node: int = 2  # ranks per node (one per GPU on GPU nodes)
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    mem_gb: int | None = None
+    timeout_min: int = 60
+    # SIGUSR2 arrives this long before the time limit: the ranks save and submitit requeues.
+    signal_delay_s: int = 120
+    max_num_timeout: int = 3  # requeues after hitting the time limit (preemptions are free)
+    master_port: int | None = None  # rank 0's rendezvous port; null: derived from the job id
+
+
+@dataclass
+class SlurmLauncherConfig(SubmititLauncherConfig):
+    name: str = "slurm"
+    nodes: int = 1
+    partition: str | None = None  # null: the cluster's default partition
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    # Other sbatch options go to hydra.launcher directly: additional_parameters={mail-type:END},
+    # setup=[shell lines run before srun] (hydra-submitit-launcher's keys).
+
+
+@dataclass
+class SlurmLocalLauncherConfig(SubmititLauncherConfig):
+    """submitit's local executor: the same job as launcher=slurm, on this machine, no cluster."""
+
+    name: str = "slurm_local"
+
+
+@dataclass
+class LoggerConfig:
+    """Console + metrics.jsonl + summary.json only (always written by rank 0)."""
+
+    name: str = "none"
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    """Weights & Biases, from rank 0 only."""
+
+    name: str = "wandb"
+    project: str = "framework"
+    entity: str | None = None
+    group: str | None = None  # null: in a sweep, the sweep dir (one group per sweep)
+    run_name: str | None = None  # null: the run dir's name (in a sweep: job number + overrides)
+    tags: list[str] = field(default_factory=list)
+    # auto: online when credentials exist (WANDB_API_KEY or `wandb login`), else offline
+    # (then `wandb sync <run_dir>/wandb/offline-run-*` uploads later).
+    mode: str = "auto"
+
+
+@dataclass
+class DDPConfig:
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 600.0
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int | None = None  # optimizer steps; whichever of max_steps/max_epochs ends first
+    max_epochs: int | None = 15
+    grad_accum: int = 1  # micro-batches per optimizer step
+    clip_grad_norm: float | None = None
+    eval_every: int = 0  # steps between evaluations; 0 = only at the end
+    log_every: int = 10  # steps between metric events
+    seed: int = 0
+    sync_batchnorm: bool = False
+    channels_last: bool = False  # NHWC weights and images: faster convolutions on recent GPUs
+    # torch.compile the DDP model (DDP's optimizer splits graphs at bucket boundaries so
+    # communication still overlaps): pays a compile at start-up for faster steps after.
+    compile: bool = False
+    ema_decay: float | None = None  # e.g. 0.999; evaluation then uses the averaged weights
+    progress_bar: bool = True  # rank 0, only when stderr is a terminal
+    # A non-finite loss (or, outside amp, gradient) on any rank: every rank sees it at the
+    # same step. stop: end the run there, saving nothing; skip: drop that update and go on.
+    on_nonfinite: str = "stop"
+    # Signals that stop the run at the next step with a checkpoint (exit code 75, resumable).
+    # SIGINT (Ctrl-C) always does.
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500  # optimizer steps between checkpoints; 0 = only the final one
+    keep: int = 3  # newest checkpoints kept in <run dir>/checkpoints (>= 1)
+    # auto: continue from the newest valid checkpoint in the run dir, if any; never; or a path.
+    resume: str = "auto"
+    final: bool = True  # also save when the run ends or stops on a signal / Ctrl-C
+
+
+@dataclass
+class Config:
+    model: Any = MISSING
+    data: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    precision: Any = MISSING
+    comm: Any = MISSING
+    launcher: Any = MISSING
+    logger: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    # The summary metric the app returns to Hydra (sweepers such as optuna optimise it) and the
+    # sweep summary lists first.
+    objective: str = "val/accuracy"
+    # Module prefixes `_target_` may name, on top of torch, torchvision, framework and
+    # experiments (framework/targets.py). Config files only: the command line cannot set it.
+    allowed_targets: list[str] = field(default_factory=list)
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"base": ModelConfig, "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config,
+              "resnet50": ResNet50Config},  # fmt: skip
+    "data": {
+        "base": DataConfig,
+        "digits": DigitsConfig,
+        "synthetic": SyntheticConfig,
+        "cifar10": Cifar10Config,
+    },
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
+    "scheduler": {
+        "constant": ConstantSchedulerConfig,
+        "cosine": CosineSchedulerConfig,
+        "step": StepSchedulerConfig,
+    },
+    "precision": {"fp32": PrecisionConfig, "bf16": BF16Config, "amp": AmpConfig},
+    "comm": {"allreduce": CommConfig, "fp16": FP16CommConfig, "bf16": BF16CommConfig,
+             "powersgd": PowerSGDConfig},  # fmt: skip
+    "launcher": {
+        "local": LocalLauncherConfig,
+        "torchrun": TorchrunLauncherConfig,
+        "slurm": SlurmLauncherConfig,
+        "slurm_local": SlurmLocalLauncherConfig,
+    },
+    "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig},
+}
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, options in SCHEMAS.items():
+        for name, schema in options.items():
+            cs.store(group=f"schema/{group}", name=name, node=schema)

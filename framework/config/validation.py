@@ -1,0 +1,200 @@
+"""Rules that span keys, checked before the run dir exists. Each raises ConfigError naming the
+setting and the fix.
+
+Rules for one option's own knobs (PowerSGD's rank, AMP's scaler) are registered per schema
+class in CHECKS and found from the composed node's type, so a user's option that extends a
+shipped schema is checked like it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework import context
+from framework.config import schemas as s
+from framework.outcomes import ConfigError
+from framework.targets import check_targets
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+OBJECTIVES = ("val/accuracy", "val/loss", "samples_per_s", "wall_s")
+GROUPS = ("model", "data", "optimizer", "scheduler", "precision", "comm", "launcher", "logger")
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check rules that span keys. Raises ConfigError with the setting and the fix."""
+    check_targets(cfg)
+    _check_trainer(cfg.trainer)
+    _check_checkpoint(cfg.checkpoint)
+    nproc = cfg.launcher.nproc_per_node
+    require(nproc >= 1, f"launcher.nproc_per_node={nproc} is invalid: it must be >= 1 "
+                        "(1 = one process, 2 = two local ranks, ...)")  # fmt: skip
+    require(cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size} must be >= 1")
+    require(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers} must be >= 0")
+    require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
+    require(cfg.dist.backend in ("auto", "gloo", "nccl"),
+            f"dist.backend={cfg.dist.backend!r} is invalid: choose auto, gloo or nccl")  # fmt: skip
+    require(cfg.dist.timeout_s > 0, f"dist.timeout_s={cfg.dist.timeout_s} must be > 0")
+    require(
+        cfg.objective in OBJECTIVES,
+        f"objective={cfg.objective!r} is not a summary metric: choose one of "
+        f"{', '.join(OBJECTIVES)}",
+    )
+    for group in GROUPS:
+        for check in checks_for(OmegaConf.get_type(cfg[group])):
+            check(cfg[group], cfg)
+
+
+def _check_trainer(t: DictConfig) -> None:
+    require(t.grad_accum >= 1, f"trainer.grad_accum={t.grad_accum} is invalid: must be >= 1")
+    require(t.log_every >= 1, f"trainer.log_every={t.log_every} is invalid: must be >= 1")
+    require(t.eval_every >= 0,
+            f"trainer.eval_every={t.eval_every} is invalid: use 0 (end only) or >= 1")  # fmt: skip
+    require(t.max_steps is not None or t.max_epochs is not None,
+            "trainer.max_steps and trainer.max_epochs are both null: set at least one")  # fmt: skip
+    require(t.max_steps is None or t.max_steps >= 1,
+            f"trainer.max_steps={t.max_steps} must be >= 1")  # fmt: skip
+    require(t.max_epochs is None or t.max_epochs >= 1,
+            f"trainer.max_epochs={t.max_epochs} must be >= 1")  # fmt: skip
+    require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
+            f"trainer.clip_grad_norm={t.clip_grad_norm} must be > 0 (or null to disable "
+            "clipping)")  # fmt: skip
+    require(t.ema_decay is None or 0.0 < t.ema_decay < 1.0,
+            f"trainer.ema_decay={t.ema_decay} must be in (0, 1), e.g. 0.999 (or null to "
+            "disable)")  # fmt: skip
+    require(t.on_nonfinite in ("stop", "skip"),
+            f"trainer.on_nonfinite={t.on_nonfinite!r} is invalid: choose stop or skip")  # fmt: skip
+    for name in t.stop_signals:
+        require(name in STOP_SIGNALS,
+                f"trainer.stop_signals: {name!r} is not a signal a run can stop on: "
+                f"choose from {', '.join(STOP_SIGNALS)}")  # fmt: skip
+
+
+def _check_checkpoint(ck: DictConfig) -> None:
+    require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0 = final only)")
+    require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
+    if ck.resume not in ("auto", "never"):
+        require(Path(ck.resume).expanduser().is_file(),
+                f"checkpoint.resume={ck.resume} is not a file: give a checkpoint file "
+                "(<run dir>/checkpoints/last.pt), auto or never")  # fmt: skip
+
+
+def _reject_srun_steps(launcher: DictConfig, cfg: DictConfig) -> None:
+    """For launchers that start the ranks themselves: `srun -n 4 train` starts 4 launchers,
+    each with its own ranks and run dir. One task per node running launcher=torchrun with
+    launcher.nnodes = the step's nodes is a real job."""
+    here = context.current()
+    if isinstance(here, context.TorchElastic | context.SubmititTask):
+        return
+    tasks, nodes = here.srun_step()
+    one_per_node = launcher.name == "torchrun" and tasks == nodes == launcher.nnodes
+    if tasks > 1 and not one_per_node:
+        raise ConfigError(
+            f"this is one of {tasks} tasks of an srun step: with launcher={launcher.name} each "
+            "task would start its own ranks and run dir. Submit with launcher=slurm (one task per "
+            "rank), or start one task per node that runs launchers/torchrun.sh"
+        )
+
+
+# --- one option's own knobs ------------------------------------------------------------------
+def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:
+    _reject_srun_steps(launcher, cfg)
+    require(launcher.nnodes >= 1, f"launcher.nnodes={launcher.nnodes} must be >= 1")
+    require(launcher.max_restarts >= 0,
+            f"launcher.max_restarts={launcher.max_restarts} must be >= 0")  # fmt: skip
+
+
+def _check_submitit(launcher: DictConfig, cfg: DictConfig) -> None:
+    for key in ("tasks_per_node", "timeout_min") + (("nodes",) if "nodes" in launcher else ()):
+        require(launcher[key] >= 1, f"launcher.{key}={launcher[key]} must be >= 1")
+    require(launcher.max_num_timeout >= 0,
+            f"launcher.max_num_timeout={launcher.max_num_timeout} must be >= 0")  # fmt: skip
+    gpus, tasks = launcher.gpus_per_node, launcher.tasks_per_node
+    require(
+        gpus == 0 or tasks == gpus,
+        f"launcher.tasks_per_node={tasks} with launcher.gpus_per_node={gpus}: each rank drives "
+        f"one GPU, so set launcher.tasks_per_node={gpus} (or launcher.gpus_per_node={tasks})",
+    )
+    require(
+        "SIGUSR2" in cfg.trainer.stop_signals,
+        f"launcher={launcher.name} needs SIGUSR2 in trainer.stop_signals: SLURM sends it "
+        "launcher.signal_delay_s before the time limit so the ranks save before the job is "
+        "requeued",
+    )
+    require(
+        not isinstance(context.current(), context.TorchElastic),
+        f"launcher={launcher.name} under torchrun: SLURM starts one task per rank itself. Run "
+        f"`train launcher={launcher.name} ...` directly (on the login node), not under torchrun",
+    )
+
+
+def _check_amp(p: DictConfig, cfg: DictConfig) -> None:
+    require(p.init_scale > 0, f"precision.init_scale={p.init_scale} must be > 0")
+    require(p.growth_factor > 1, f"precision.growth_factor={p.growth_factor} must be > 1")
+    require(0 < p.backoff_factor < 1,
+            f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)")  # fmt: skip
+    require(p.growth_interval >= 1,
+            f"precision.growth_interval={p.growth_interval} must be >= 1")  # fmt: skip
+
+
+def _check_powersgd(comm: DictConfig, cfg: DictConfig) -> None:
+    require(comm.rank >= 1, f"comm.rank={comm.rank} is invalid: the PowerSGD rank must be >= 1 "
+                            "(1, 2 and 4 are usual)")  # fmt: skip
+    require(comm.start_iter >= 0, f"comm.start_iter={comm.start_iter} is invalid: steps of "
+                                  "plain allreduce must be >= 0")  # fmt: skip
+    require(comm.min_compression_rate >= 0,
+            f"comm.min_compression_rate={comm.min_compression_rate} must be >= 0")  # fmt: skip
+    require(comm.orthogonalization_epsilon >= 0,
+            f"comm.orthogonalization_epsilon={comm.orthogonalization_epsilon} must be >= 0")
+    require(comm.compress in (None, "fp16", "bf16"),
+            f"comm.compress={comm.compress!r} is invalid: choose fp16, bf16 or null (no "
+            "wrapper)")  # fmt: skip
+
+
+def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
+    # Submitting from a login node: the compute nodes' mounts may be missing here.
+    submitting = cfg.launcher.name == "slurm" and not isinstance(
+        context.current(), context.SubmititTask
+    )
+    if data.download or submitting:
+        return
+    fix = "set data.root=/path/to/cifar-10-batches-py (or data.download=true with internet access)"
+    require(data.root is not None, f"data.root is not set: {fix}")
+    path = Path(data.root).expanduser()
+    require(path.is_dir(), f"data.root={data.root} is not a directory: {fix}")
+    folder = path if (path / "data_batch_1").exists() else path / "cifar-10-batches-py"
+    require(
+        (folder / "data_batch_1").exists() and (folder / "test_batch").exists(),
+        f"data.root={data.root} holds no CIFAR-10 python batches (data_batch_1 ... test_batch): "
+        f"{fix}",
+    )
+
+
+def _check_wandb(logger: DictConfig, cfg: DictConfig) -> None:
+    require(logger.mode in ("auto", "online", "offline", "disabled"),
+            f"logger.mode={logger.mode!r} is invalid: choose auto, online, offline or "
+            "disabled")  # fmt: skip
+
+
+Check = Callable[[DictConfig, DictConfig], None]  # (the group's node, the whole config)
+CHECKS: dict[type, Check] = {
+    s.LocalLauncherConfig: _reject_srun_steps,
+    s.TorchrunLauncherConfig: _check_torchrun,
+    s.SubmititLauncherConfig: _check_submitit,
+    s.AmpConfig: _check_amp,
+    s.PowerSGDConfig: _check_powersgd,
+    s.Cifar10Config: _check_cifar10,
+    s.WandbLoggerConfig: _check_wandb,
+}
+
+
+def checks_for(schema: type | None) -> list[Check]:
+    """The checks of a schema and of every schema it extends."""
+    return [CHECKS[kind] for kind in getattr(schema, "__mro__", ()) if kind in CHECKS]

@@ -1,0 +1,61 @@
+"""launcher=torchrun: torch's elastic agent (the engine of the `torchrun` command), run from
+this process: restarts (launcher.max_restarts) and multi-node rendezvous, with the config
+resolved once here."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import uuid
+from pathlib import Path
+
+from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from framework import context
+from framework.launch.worker import run_worker
+from framework.outcomes import Stopped, root_cause
+from framework.stopping import stop_signal_names
+
+
+def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
+    """The ranks as workers of torch's elastic agent, run from this process."""
+    launcher = cfg.launcher
+    # Restarted rounds re-create the store; sharing torchrun's store made gloo reconnects flaky.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    config = LaunchConfig(
+        min_nodes=launcher.nnodes,
+        max_nodes=launcher.nnodes,
+        nproc_per_node=launcher.nproc_per_node,
+        run_id=run_dir.name + "-" + uuid.uuid4().hex[:8] if launcher.nnodes == 1 else run_dir.name,
+        rdzv_backend="c10d",
+        rdzv_endpoint=launcher.rdzv_endpoint,
+        rdzv_configs={"rank": launcher.node_rank} if launcher.nnodes > 1 else {},
+        max_restarts=launcher.max_restarts,
+        monitor_interval=launcher.monitor_interval_s,
+        start_method="spawn",
+        # The agent passes these on to the ranks; by default it dies on SIGUSR1/2 instead and
+        # leaves its workers running.
+        signals_to_handle=",".join(stop_signal_names(list(cfg.trainer.stop_signals))),
+    )
+    try:
+        elastic_launch(config, _elastic_worker)(cfg, run_dir)
+    except ChildFailedError as error:
+        codes = [0] * (launcher.nproc_per_node * launcher.nnodes)
+        for rank, failure in error.failures.items():
+            codes[rank] = failure.exitcode
+        cause = root_cause(codes)
+        if cause is not None:
+            raise cause from None
+    except SignalException as error:  # the agent waited for the ranks to save and stop
+        raise Stopped(signal.Signals(error.sigval).name) from None
+
+
+def _elastic_worker(cfg: DictConfig, run_dir: Path) -> None:
+    # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra,
+    # so this rank must not wait for another rank's config the way an external torchrun does.
+    env = dataclasses.replace(context.current().dist_env(), source="elastic")
+    run_worker(cfg, run_dir, env)

@@ -1,0 +1,106 @@
+"""launcher=local: this process spawns the ranks and hosts their rendezvous store.
+
+Workers receive the already-resolved config and the run directory; they never compose a
+config again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.connection as mp_connection
+import os
+import signal
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig
+
+from framework.context import DistEnv
+from framework.launch.worker import failure_messages, run_worker
+from framework.outcomes import root_cause
+from framework.stopping import stop_signal_names
+
+EXIT_GRACE_S = 3.0  # after a rank fails: time for the others to exit before SIGTERM, then SIGKILL
+
+
+def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
+    """nproc ranks spawned from this process, joined through a store it hosts."""
+    # After a rank fails, spawn's "Terminating process ... via SIGTERM" only adds noise.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # Port 0: the OS picks a free port, so concurrent runs and tests never collide.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = mp.start_processes(
+        _local_worker,
+        args=(cfg, run_dir, store.port, nproc),
+        nprocs=nproc,
+        join=False,
+        start_method="spawn",
+    )
+    signals = stop_signal_names(list(cfg.trainer.stop_signals))
+    with _forward_signals(signals, [p.pid for p in context.processes]):
+        victims = _wait_for_ranks(context.processes)
+    codes = [process.exitcode for process in context.processes]
+    cause = root_cause(codes, victims, failure_messages(store, nproc))
+    if cause is not None:
+        raise cause
+
+
+def _wait_for_ranks(processes: list) -> set[int]:
+    """Wait for every rank. Once one fails, the others get EXIT_GRACE_S to exit on their own,
+    then SIGTERM, then SIGKILL as long after: no process is left behind. Returns the ranks
+    this function had to stop (their exit codes are consequences, not causes)."""
+    failed_at: float | None = None
+    victims: set[int] = set()
+    while alive := [p for p in processes if p.exitcode is None]:
+        mp_connection.wait([p.sentinel for p in alive], timeout=0.5)
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in processes):
+            failed_at = time.monotonic()
+        if failed_at is None:
+            continue
+        waited = time.monotonic() - failed_at
+        for rank, process in enumerate(processes):
+            if process.exitcode is not None or waited <= EXIT_GRACE_S:
+                continue
+            if waited > 2 * EXIT_GRACE_S:
+                process.kill()
+            elif rank not in victims:
+                process.terminate()
+            victims.add(rank)
+    for process in processes:
+        process.join()
+    return victims
+
+
+@contextlib.contextmanager
+def _forward_signals(names: list[str], pids: list[int]) -> Iterator[None]:
+    """Signals sent to the launcher reach every rank (ranks count repeats once)."""
+
+    def forward(signum: int, frame: object) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {}
+    for name in names:
+        signum = getattr(signal, name)
+        previous[signum] = signal.signal(signum, forward)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int) -> None:
+    env = DistEnv(
+        rank=local_rank, local_rank=local_rank, world_size=nproc, local_world_size=nproc,
+        source="local",
+    )  # fmt: skip
+    timeout = timedelta(seconds=cfg.dist.timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    run_worker(cfg, run_dir, env, store)

@@ -1,0 +1,209 @@
+"""What one rank does: the one place that wires objects together.
+
+config -> process group -> components (instantiated from their groups) -> Runner -> sinks.
+Every launcher calls `run()` on every rank with the same resolved config and run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import secrets
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from framework.checkpoint import Checkpointer, training_settings
+from framework.context import DistEnv
+from framework.data import Loaders, build_loaders
+from framework.distributed import (
+    broadcast_object,
+    limit_cpu_threads,
+    pick_backend,
+    pick_device,
+    process_group,
+    wrap_ddp,
+)
+from framework.optim import build_optimizer, scaled_lr
+from framework.outcomes import ConfigError, NonFiniteLoss, Stopped
+from framework.plots import plot_run, try_plot
+from framework.redaction import redacted_container
+from framework.rundir import RunDir
+from framework.runner import Model, Optimization, Runner, planned_steps
+from framework.sinks import build_sink, setup_logging
+from framework.stopping import StopRequests
+
+log = logging.getLogger("framework")
+
+
+def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, Any] | None:
+    """Train on this rank. Returns the summary on rank 0, None elsewhere."""
+    device = pick_device(env)
+    limit_cpu_threads(env)
+    backend = pick_backend(cfg.dist.backend, device)
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto "
+            "(gloo on CPU) or dist.backend=gloo"
+        )
+    # Installed first: a signal during start-up stops the run at its first step.
+    requests = StopRequests(list(cfg.trainer.stop_signals)).install()
+    try:
+        with process_group(env, backend, cfg.dist.timeout_s, store):
+            if env.composed_own_config and env.distributed:
+                cfg, run_dir = broadcast_object((cfg, run_dir))  # rank 0's config runs
+            setup_logging(env.is_main, env.rank, RunDir(run_dir).log)
+            return _train(cfg, RunDir(run_dir), env, device, backend, requests)
+    except Stopped as stop:
+        if env.is_main:
+            log.warning("%s. %s", stop, RunDir(run_dir).resume_hint(cfg))
+        raise
+    except NonFiniteLoss as error:
+        if env.is_main:
+            log.error("%s", error)
+        raise
+    finally:
+        requests.uninstall()
+
+
+def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, backend: str,
+           requests: StopRequests) -> dict[str, Any] | None:  # fmt: skip
+    t = cfg.trainer
+    global_batch_size = cfg.data.batch_size * env.world_size * t.grad_accum
+    log.info(
+        "world_size=%d backend=%s device=%s | global batch %d = %d per rank x %d ranks x %d "
+        "accumulation steps | run dir %s",
+        env.world_size, backend, device.type, global_batch_size, cfg.data.batch_size,
+        env.world_size, t.grad_accum, run.path,
+    )  # fmt: skip
+    seed_everything(t.seed)  # same seed on every rank: identical initial weights
+    loaders = build_data(cfg, env, device, global_batch_size)
+    total_steps = planned_steps(t, steps_per_epoch=len(loaders.train) // t.grad_accum)
+    model = build_model(cfg, env, device)
+    seed_everything(t.seed + env.rank)  # per-rank streams from here on (dropout, augmentation)
+    optimization = build_optimization(cfg, env, device, model, global_batch_size, total_steps)
+    if t.compile:
+        # After the comm hook is registered on the DDP wrapper, which is what gets compiled;
+        # checkpoints keep the bare module's keys.
+        model = dataclasses.replace(model, train=torch.compile(model.train))
+
+    # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
+    # key still resumes).
+    record = redacted_container(cfg)
+    checkpointer = Checkpointer(cfg.checkpoint, run.checkpoints, env, training_settings(record))
+    resumed = checkpointer.find_resume()
+    if resumed and resumed[1]["step"] >= total_steps and run.summary.exists():
+        log.info(
+            "%s is complete at step %d (the planned %d steps): nothing to do; raise "
+            "trainer.max_steps or trainer.max_epochs to train further", run.path,
+            resumed[1]["step"], total_steps,
+        )  # fmt: skip
+        return run.read_summary() if env.is_main else None
+    if env.is_main:
+        accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
+    checkpointer.wandb_run_id = (resumed and resumed[1]["wandb_run_id"]) or new_wandb_id()
+
+    sink = build_sink(env.is_main, cfg.logger, run, record, run_id=checkpointer.wandb_run_id)
+    try:
+        runner = Runner(
+            env=env, device=device, trainer=SimpleNamespace(**OmegaConf.to_container(t)),
+            model=model, loaders=loaders, optimization=optimization, sink=sink,
+            checkpointer=checkpointer, stop_requests=requests,
+        )  # fmt: skip
+        if resumed:
+            path, payload = resumed
+            runner.load_checkpoint(path, payload)
+            log.info("resumed from %s at step %d (epoch %d)", path, runner.state.step,
+                     runner.state.epoch)  # fmt: skip
+        summary = runner.fit()
+    finally:
+        sink.close()
+    if not env.is_main:
+        return None
+    try_plot(plot_run, run.path)
+    log.info(
+        "done: val/accuracy=%.4f val/loss=%.4f steps=%d samples/s=%.0f wall=%.1fs run_dir=%s",
+        summary["val/accuracy"], summary["val/loss"], summary["steps"],
+        summary["samples_per_s"], summary["wall_s"], run.path,
+    )  # fmt: skip
+    return summary
+
+
+def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:
+    """The run goes ahead in this dir (a refused resume has changed nothing before this)."""
+    run.save_config(record)
+    # A resume, or a restart (torchrun, SLURM requeue) that found no checkpoint: from 0.
+    dropped = run.trim_metrics(kept_step)
+    if dropped:
+        log.info("metrics.jsonl: %d events after step %d dropped; they are re-run", dropped,
+                 kept_step)  # fmt: skip
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def new_wandb_id() -> str:
+    """W&B run ids are short lowercase alphanumerics; saved in checkpoints for resume."""
+    return secrets.token_hex(4)
+
+
+def build_data(cfg: DictConfig, env: DistEnv, device: torch.device,
+               global_batch_size: int) -> Loaders:  # fmt: skip
+    log.info("Instantiating data <%s>", cfg.data._target_)
+    splits = instantiate(cfg.data)
+    loaders = build_loaders(splits, cfg.data, env, cfg.trainer.seed, device)
+    if len(loaders.train) < cfg.trainer.grad_accum:
+        raise ConfigError(
+            f"the training set ({len(splits.train)} samples) is smaller than one global batch "
+            f"({global_batch_size}): lower data.batch_size, trainer.grad_accum or "
+            "launcher.nproc_per_node"
+        )
+    return loaders
+
+
+def build_model(cfg: DictConfig, env: DistEnv, device: torch.device) -> Model:
+    """The bare model on the device, what forward runs on (DDP, compiled), and its EMA."""
+    t = cfg.trainer
+    log.info("Instantiating model <%s>", cfg.model._target_)
+    module = instantiate(cfg.model)
+    if t.sync_batchnorm and env.distributed:
+        if device.type != "cuda":
+            raise ConfigError(
+                "trainer.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm is "
+                "GPU-only): set trainer.sync_batchnorm=false on CPU"
+            )
+        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    module = module.to(device)
+    if t.channels_last:
+        module = module.to(memory_format=torch.channels_last)
+    train = wrap_ddp(module, device, cfg.dist.ddp) if env.distributed else module
+    ema = None
+    if t.ema_decay is not None:
+        ema = AveragedModel(
+            module, multi_avg_fn=get_ema_multi_avg_fn(t.ema_decay), use_buffers=True
+        )
+    return Model(train, module, ema)
+
+
+def build_optimization(cfg: DictConfig, env: DistEnv, device: torch.device, model: Model,
+                       global_batch_size: int, total_steps: int) -> Optimization:  # fmt: skip
+    """Precision, the DDP comm hook (registered on the model), optimizer and schedule."""
+    precision = instantiate(cfg.precision)(device=device)
+    comm = instantiate(cfg.comm)(env=env)
+    comm.guard_nonfinite = cfg.trainer.on_nonfinite == "skip"
+    comm.attach(model.train, model.module, grad_scale=precision.loss_scale)
+    lr = scaled_lr(cfg.optimizer, global_batch_size)
+    log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)
+    optimizer = build_optimizer(cfg.optimizer, model.module.parameters(), lr)
+    scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=total_steps)
+    return Optimization(optimizer, scheduler, precision, comm)
