@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from framework.comm import PowerSGD
 from framework.config.schemas import SCHEMAS
-from framework.context import DistEnv
+from framework.distributed import DistEnv  # (imports torch._dynamo before any process group)
 from framework.models import MLP, resnet18_cifar
 from framework.precision import AMP
 from tests.conftest import spawn_ranks
