@@ -7,6 +7,7 @@ written to benchmarks/results/<name>.json (and a PNG where it plots).
     accuracy   digits, 3 seeds: final validation accuracy per comm hook and precision
     scaling    samples/s at 1 and 2 ranks on CPU, and the scaling efficiency
     speed      the speed options (precision, channels_last, compile, num_workers) vs plain
+    presets    each experiment preset as users run it, its result next to a baseline
     all        every one of the above, in that order
 
 `python -m benchmarks <name> --help` lists a benchmark's options.
@@ -18,7 +19,7 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ("overhead", "startup", "comm", "accuracy", "scaling", "speed")
+BENCHMARKS = ("overhead", "startup", "comm", "accuracy", "scaling", "speed", "presets")
 
 
 def main(argv: list[str]) -> None:

@@ -1,37 +1,62 @@
-"""Datasets (digits, synthetic, CIFAR-10 folder) and the per-rank loaders that feed DDP.
+"""Datasets that ship (digits, diabetes, text, synthetic, a CIFAR-10 folder), the per-rank
+loaders that feed DDP, and moving batches of any structure to the device.
 
 A data option's `_target_` is a function returning `Splits`; any function with that shape works,
-so bringing your own dataset is one YAML file pointing at it.
+so bringing your own dataset is one YAML file pointing at it. Samples may be tensors, tuples or
+dicts; a data option's `collate_fn` (by `_target_`) batches samples that default_collate cannot
+(variable-length sequences: `PadSequences`; graphs).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    Sampler,
+    TensorDataset,
+)
 
-from framework.config.schemas import Cifar10Config, DigitsConfig, SyntheticConfig
+from framework.config.schemas import (
+    Cifar10Config,
+    DiabetesConfig,
+    DigitsConfig,
+    SyntheticConfig,
+    TextConfig,
+)
 from framework.context import DistEnv
+
+log = logging.getLogger("framework")
 
 
 @dataclass(frozen=True)
 class Splits:
     train: Dataset
     val: Dataset
+    decode: Callable[[list[int]], str] | None = None  # token ids -> text, for text data
 
 
 def digits(val_fraction: float = DigitsConfig.val_fraction,
-           split_seed: int = DigitsConfig.split_seed, **_: object) -> Splits:  # fmt: skip
-    """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes."""
-    from sklearn.datasets import load_digits
+           split_seed: int = DigitsConfig.split_seed,
+           normalize: bool = DigitsConfig.normalize, **_: object) -> Splits:  # fmt: skip
+    """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes. Pixels in
+    [-1, 1] (normalize) or [0, 1]."""
+    from sklearn.datasets import load_digits  # scikit-learn's import costs ~2 s; only data needs it
 
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    images = (images - 0.5) / 0.5
+    if normalize:
+        images = (images - 0.5) / 0.5
     labels = torch.tensor(bunch.target, dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
     val_count = round(len(labels) * val_fraction)
@@ -40,6 +65,91 @@ def digits(val_fraction: float = DigitsConfig.val_fraction,
         train=TensorDataset(images[train_idx], labels[train_idx]),
         val=TensorDataset(images[val_idx], labels[val_idx]),
     )
+
+
+def diabetes(val_fraction: float = DiabetesConfig.val_fraction,
+             split_seed: int = DiabetesConfig.split_seed, **_: object) -> Splits:  # fmt: skip
+    """scikit-learn's bundled diabetes data: 442 patients, 10 features, disease progression one
+    year later (a real number). Features and target standardised with the training split's
+    mean and std (R² does not depend on the target's scale)."""
+    from sklearn.datasets import load_diabetes
+
+    arrays = load_diabetes(return_X_y=True)
+    features, target = (torch.tensor(array, dtype=torch.float32) for array in arrays)
+    order = torch.randperm(len(target), generator=torch.Generator().manual_seed(split_seed))
+    val_count = round(len(target) * val_fraction)
+    val_idx, train_idx = order[:val_count], order[val_count:]
+
+    def standardise(values: torch.Tensor) -> torch.Tensor:
+        reference = values[train_idx]
+        return (values - reference.mean(0)) / reference.std(0)
+
+    features, target = standardise(features), standardise(target)
+    return Splits(train=TensorDataset(features[train_idx], target[train_idx]),
+                  val=TensorDataset(features[val_idx], target[val_idx]))  # fmt: skip
+
+
+# Python's help texts hold 9 characters outside ASCII; each becomes its ASCII look-alike, so the
+# vocabulary is the 128 ASCII codes whatever the Python version.
+_ASCII_FOLD = str.maketrans({"°": "o", "ß": "s", "–": "-", "—": "-", "‘": "'", "’": "'",
+                             "“": '"', "”": '"', "…": "."})  # fmt: skip
+
+
+class TokenWindows(Dataset):
+    """Windows of `block_size` + 1 tokens, every `stride` tokens: (inputs, next tokens)."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int) -> None:
+        self.tokens, self.block_size, self.stride = tokens, block_size, stride
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - self.block_size - 1) // self.stride + 1)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.stride
+        window = self.tokens[start:start + self.block_size + 1]
+        return window[:-1], window[1:]
+
+
+def decode_ascii(ids: list[int]) -> str:
+    return "".join(map(chr, ids))
+
+
+def text(block_size: int = TextConfig.block_size, stride: int = TextConfig.stride,
+         val_fraction: float = TextConfig.val_fraction, **_: object) -> Splits:  # fmt: skip
+    """English text that ships with Python: the standard library's help topics
+    (pydoc_data.topics, ~465,000 characters), one token per character. The last val_fraction
+    of the text is the validation split."""
+    from pydoc_data.topics import topics
+
+    corpus = "\n\n".join(topics[key] for key in sorted(topics)).translate(_ASCII_FOLD)
+    tokens = torch.tensor(list(corpus.encode("ascii", errors="replace")), dtype=torch.long)
+    split = round(len(tokens) * (1 - val_fraction))
+    val_text = corpus[split:]
+    log.info("text: %d characters (%d for validation); the validation text's unigram entropy is "
+             "%.3f bits/char", len(corpus), len(val_text), unigram_entropy(val_text))  # fmt: skip
+    return Splits(train=TokenWindows(tokens[:split], block_size, stride),
+                  val=TokenWindows(tokens[split:], block_size, block_size), decode=decode_ascii)
+
+
+def unigram_entropy(text: str) -> float:
+    """Bits per character of the text's own character frequencies: what a model that ignores
+    context can reach at best."""
+    counts = Counter(text)
+    return -sum(n / len(text) * math.log2(n / len(text)) for n in counts.values())
+
+
+class PadSequences:
+    """collate_fn for (inputs, targets) token sequences of different lengths: pads both to the
+    batch's longest, inputs with `pad_id`, targets with `ignore_index` (their loss is skipped)."""
+
+    def __init__(self, pad_id: int = 0, ignore_index: int = -100) -> None:
+        self.pad_id, self.ignore_index = pad_id, ignore_index
+
+    def __call__(self, samples: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        inputs, targets = zip(*samples, strict=True)
+        pad = torch.nn.utils.rnn.pad_sequence
+        return (pad(list(inputs), batch_first=True, padding_value=self.pad_id),
+                pad(list(targets), batch_first=True, padding_value=self.ignore_index))
 
 
 def synthetic(
@@ -141,12 +251,13 @@ class ResumableSampler(DistributedSampler):
         return max(0, self.num_samples - self.skip)
 
 
-def _loader_options(data_cfg, device: torch.device) -> dict:
+def _loader_options(data_cfg, device: torch.device, collate_fn: Callable | None) -> dict:
     workers = data_cfg["num_workers"]
     return {
         "num_workers": workers,
         "pin_memory": bool(data_cfg["pin_memory"]) and device.type == "cuda",
         "persistent_workers": bool(data_cfg["persistent_workers"]) and workers > 0,
+        "collate_fn": collate_fn,
     }
 
 
@@ -160,14 +271,15 @@ class Loaders:
     val: DataLoader
 
 
-def build_loaders(splits: Splits, data_cfg, env: DistEnv, seed: int,
-                  device: torch.device) -> Loaders:  # fmt: skip
-    train, sampler = train_loader(splits.train, data_cfg, env, seed, device)
-    return Loaders(train, sampler, eval_loader(splits.val, data_cfg, env, device))
+def build_loaders(splits: Splits, data_cfg, env: DistEnv, seed: int, device: torch.device,
+                  collate_fn: Callable | None = None) -> Loaders:  # fmt: skip
+    train, sampler = train_loader(splits.train, data_cfg, env, seed, device, collate_fn)
+    return Loaders(train, sampler, eval_loader(splits.val, data_cfg, env, device, collate_fn))
 
 
 def train_loader(
-    dataset: Dataset, data_cfg, env: DistEnv, seed: int, device: torch.device
+    dataset: Dataset, data_cfg, env: DistEnv, seed: int, device: torch.device,
+    collate_fn: Callable | None = None,
 ) -> tuple[DataLoader, ResumableSampler]:
     sampler = ResumableSampler(
         dataset,
@@ -184,15 +296,32 @@ def train_loader(
         drop_last=data_cfg["drop_last"],
         # A dedicated generator keeps loader construction off the global RNG stream.
         generator=torch.Generator().manual_seed(seed + env.rank),
-        **_loader_options(data_cfg, device),
+        **_loader_options(data_cfg, device, collate_fn),
     )
     return loader, sampler
 
 
-def eval_loader(dataset: Dataset, data_cfg, env: DistEnv, device: torch.device) -> DataLoader:
+def eval_loader(dataset: Dataset, data_cfg, env: DistEnv, device: torch.device,
+                collate_fn: Callable | None = None) -> DataLoader:  # fmt: skip
     return DataLoader(
         dataset,
         batch_size=data_cfg["eval_batch_size"],
         sampler=ShardSampler(len(dataset), env.rank, env.world_size),
-        **_loader_options(data_cfg, device),
+        **_loader_options(data_cfg, device, collate_fn),
     )
+
+
+def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
+    """A batch of any nesting (tensors in tuples, lists, dicts) on `device`; 4-D floating
+    tensors (images) go channels-last when asked (trainer.channels_last)."""
+    if isinstance(batch, torch.Tensor):
+        if channels_last and batch.dim() == 4 and batch.is_floating_point():
+            return batch.to(device, non_blocking=True, memory_format=torch.channels_last)
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device, channels_last) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(v, device, channels_last) for v in batch))
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return type(batch)(to_device(v, device, channels_last) for v in batch)
+    return batch

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hydra._internal.sources_registry import SourcesRegistry
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
@@ -58,5 +59,21 @@ class ValidateBeforeRun(Callback):
                 "records with secrets unredacted: leave it null and set "
                 "hydra.callbacks.validate.output_subdir instead",
             )
+            check_config_folders(config)
         except ConfigError as error:
             end(error, rank=context.current().global_rank())  # rank 0 says it once
+
+
+def check_config_folders(config: DictConfig) -> None:
+    """Every folder on the config search path exists: Hydra skips a missing one silently, and
+    the options the user meant to add would then be 'not found' with no hint why."""
+    for source in config.hydra.runtime.config_sources:
+        kind = SourcesRegistry.instance().resolve(source.schema)
+        if not kind(source.provider, f"{source.schema}://{source.path}").available():
+            where = ("FRAMEWORK_CONFIG_PATH" if source.provider == "framework-user"
+                     else "hydra.searchpath")  # fmt: skip
+            raise ConfigError(
+                f"{where}: {source.schema}://{source.path} is not a folder of config files (it "
+                "does not exist, or the package does not import): give file:///absolute/path "
+                "or pkg://importable.package.folder"
+            )

@@ -1,5 +1,5 @@
-"""Pictures of what metrics.jsonl holds: a run's loss and accuracy curves (curves.png in the run
-dir) and a sweep's jobs side by side (sweep.png in the sweep dir). matplotlib, headless."""
+"""Pictures: a run's curves, one panel per metric (curves.png in the run dir), a sweep's jobs side
+by side (sweep.png in the sweep dir), and image grids a task makes. matplotlib, headless."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 from framework.rundir import RunDir
 
 log = logging.getLogger("framework")
+NOT_PLOTTED = {"train/nonfinite_skipped"}
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
@@ -34,19 +35,35 @@ def _pyplot():
     return plt
 
 
+def _panels(events: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """(title, keys) per panel: the losses together, then one panel per other metric (its
+    training and validation values together)."""
+    keys = sorted({key for event in events for key in event
+                   if key.startswith(("train/", "val/")) and key not in NOT_PLOTTED})  # fmt: skip
+    names = sorted({key.split("/", 1)[1] for key in keys}, key=lambda n: (n != "loss", n))
+    return [(name, [key for key in (f"train/{name}", f"val/{name}") if key in keys])
+            for name in names]  # fmt: skip
+
+
 def plot_run(run_dir: Path) -> Path | None:
-    """curves.png: train and validation loss, and validation accuracy, against the step."""
+    """curves.png: one panel per metric in metrics.jsonl (training and validation values of the
+    same metric share a panel) against the optimizer step."""
     events = _events(run_dir)
-    if not events:
+    panels = _panels(events)
+    if not panels:
         return None
     plt = _pyplot()
-    figure, (loss_axes, accuracy_axes) = plt.subplots(1, 2, figsize=(10, 3.8))
-    loss_axes.plot(*_series(events, "train/loss"), label="train (mean over ranks)")
-    loss_axes.plot(*_series(events, "val/loss"), "o-", label="validation")
-    loss_axes.set(xlabel="optimizer step", ylabel="loss", title="loss")
-    loss_axes.legend()
-    accuracy_axes.plot(*_series(events, "val/accuracy"), "o-", color="tab:green")
-    accuracy_axes.set(xlabel="optimizer step", ylabel="accuracy", title="validation accuracy")
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (name, keys) in zip(axes[0], panels, strict=True):
+        for key in keys:
+            steps, values = _series(events, key)
+            label = "train (mean over ranks)" if key.startswith("train/") else "validation"
+            ax.plot(steps, values, "o-" if len(steps) < 30 else "-", label=label)
+            if len(steps) == 1:  # one evaluation (trainer.eval_every=0): say its value
+                ax.annotate(f"{values[0]:.4g}", (steps[0], values[0]),
+                            textcoords="offset points", xytext=(6, 6))  # fmt: skip
+        ax.set(xlabel="optimizer step", ylabel=name, title=name)
+        ax.legend(fontsize="small")
     figure.suptitle("/".join(run_dir.parts[-3:]))
     figure.tight_layout()
     path = RunDir(run_dir).curves
@@ -55,22 +72,40 @@ def plot_run(run_dir: Path) -> Path | None:
     return path
 
 
-def plot_sweep(sweep_dir: Path, jobs: list[tuple[str, Path]], objective: str) -> Path | None:
+def save_image_grid(images: Any, path: Path, columns: int = 16) -> Path:
+    """Images [N, C, H, W] with values in [0, 1] as one PNG: rows of `columns` images, each
+    framed by a 1-pixel gap, drawn pixel for pixel (scaled up, no smoothing)."""
+    plt = _pyplot()
+    images = images.detach().float().cpu().clamp(0, 1)
+    count, channels, height, width = images.shape
+    rows = -(-count // columns)
+    grid = images.new_ones(channels, rows * (height + 1) + 1, columns * (width + 1) + 1) * 0.5
+    for index, image in enumerate(images):
+        top, left = 1 + (index // columns) * (height + 1), 1 + (index % columns) * (width + 1)
+        grid[:, top:top + height, left:left + width] = image
+    pixels = grid.permute(1, 2, 0).squeeze(-1).numpy()
+    scale = max(1, 512 // grid.shape[2])
+    plt.imsave(path, pixels.repeat(scale, 0).repeat(scale, 1), cmap="gray", vmin=0, vmax=1)
+    return path
+
+
+def plot_sweep(sweep_dir: Path, jobs: list[tuple[str, Path, float]],
+               objective: str) -> Path | None:  # fmt: skip
     """sweep.png: every job's training loss against the step, and its final objective.
-    `jobs`: (label, run dir) of each job that has metrics."""
-    runs = [(label, events) for label, run_dir in jobs if (events := _events(run_dir))]
+    `jobs`: (label, run dir, final objective) of each completed job."""
+    runs = [(label, events, final) for label, run_dir, final in jobs
+            if (events := _events(run_dir))]  # fmt: skip
     if not runs:
         return None
     plt = _pyplot()
     figure, (loss_axes, objective_axes) = plt.subplots(1, 2, figsize=(11, 4))
     finals = []
-    for label, events in runs:
+    for label, events, final in runs:
         loss_axes.plot(*_series(events, "train/loss"), label=label)
-        _, values = _series(events, objective)
-        finals.append(values[-1] if values else float("nan"))
+        finals.append(final)
     loss_axes.set(xlabel="optimizer step", ylabel="train loss", title="training loss per job")
     loss_axes.legend(fontsize="small")
-    objective_axes.barh([label for label, _ in runs], finals, color="tab:green")
+    objective_axes.barh([label for label, _, _ in runs], finals, color="tab:green")
     objective_axes.set(xlabel=objective, title=f"final {objective}")
     objective_axes.invert_yaxis()
     figure.suptitle(str(sweep_dir))

@@ -6,10 +6,12 @@ Every launcher calls `run()` on every rank with the same resolved config and run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,9 +22,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from framework.checkpoint import Checkpointer, training_settings
+from framework.checkpoint import Checkpointer, restore_rng, rng_state, training_settings
+from framework.config.validation import resolve_objective
 from framework.context import DistEnv
-from framework.data import Loaders, build_loaders
+from framework.data import Loaders, Splits, build_loaders, to_device
 from framework.distributed import (
     broadcast_object,
     limit_cpu_threads,
@@ -33,12 +36,13 @@ from framework.distributed import (
 )
 from framework.optim import build_optimizer, scaled_lr
 from framework.outcomes import ConfigError, NonFiniteLoss, Stopped
-from framework.plots import plot_run, try_plot
+from framework.plots import plot_run, save_image_grid, try_plot
 from framework.redaction import redacted_container
 from framework.rundir import RunDir
 from framework.runner import Model, Optimization, Runner, planned_steps
 from framework.sinks import build_sink, setup_logging
 from framework.stopping import StopRequests
+from framework.tasks import Task, first_batch
 
 log = logging.getLogger("framework")
 
@@ -84,9 +88,12 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
         env.world_size, t.grad_accum, run.path,
     )  # fmt: skip
     seed_everything(t.seed)  # same seed on every rank: identical initial weights
-    loaders = build_data(cfg, env, device, global_batch_size)
+    log.info("Instantiating task <%s>", cfg.task._target_)
+    task = instantiate(cfg.task)
+    splits, loaders = build_data(cfg, env, device, global_batch_size)
     total_steps = planned_steps(t, steps_per_epoch=len(loaders.train) // t.grad_accum)
     model = build_model(cfg, env, device)
+    check_task(task, model.module, splits, loaders, device)
     seed_everything(t.seed + env.rank)  # per-rank streams from here on (dropout, augmentation)
     optimization = build_optimization(cfg, env, device, model, global_batch_size, total_steps)
     if t.compile:
@@ -114,7 +121,7 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
     try:
         runner = Runner(
             env=env, device=device, trainer=SimpleNamespace(**OmegaConf.to_container(t)),
-            model=model, loaders=loaders, optimization=optimization, sink=sink,
+            task=task, model=model, loaders=loaders, optimization=optimization, sink=sink,
             checkpointer=checkpointer, stop_requests=requests,
         )  # fmt: skip
         if resumed:
@@ -123,17 +130,26 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
             log.info("resumed from %s at step %d (epoch %d)", path, runner.state.step,
                      runner.state.epoch)  # fmt: skip
         summary = runner.fit()
+        objective, direction = resolve_objective(cfg.objective, task.directions())
+        summary.update(objective=objective, objective_direction=direction)
+        sink.summary(summary)
     finally:
         sink.close()
     if not env.is_main:
         return None
+    write_artifacts(task, runner.evaluated_model(), splits, loaders, device, run)
     try_plot(plot_run, run.path)
-    log.info(
-        "done: val/accuracy=%.4f val/loss=%.4f steps=%d samples/s=%.0f wall=%.1fs run_dir=%s",
-        summary["val/accuracy"], summary["val/loss"], summary["steps"],
-        summary["samples_per_s"], summary["wall_s"], run.path,
-    )  # fmt: skip
+    log.info("done: %s", final_line(summary, task, run))
     return summary
+
+
+def final_line(summary: dict[str, Any], task: Task, run: RunDir) -> str:
+    """The objective first, then the task's other metrics, then how the run went."""
+    names = [summary["objective"], *(name for name in task.directions()
+                                     if name != summary["objective"])]  # fmt: skip
+    metrics = " ".join(f"{name}={summary[name]:.4f}" for name in names)
+    return (f"{metrics} steps={summary['steps']} samples/s={summary['samples_per_s']:.0f} "
+            f"wall={summary['wall_s']:.1f}s run_dir={run.path}")  # fmt: skip
 
 
 def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:
@@ -158,17 +174,56 @@ def new_wandb_id() -> str:
 
 
 def build_data(cfg: DictConfig, env: DistEnv, device: torch.device,
-               global_batch_size: int) -> Loaders:  # fmt: skip
+               global_batch_size: int) -> tuple[Splits, Loaders]:  # fmt: skip
     log.info("Instantiating data <%s>", cfg.data._target_)
-    splits = instantiate(cfg.data)
-    loaders = build_loaders(splits, cfg.data, env, cfg.trainer.seed, device)
+    splits = instantiate(cfg.data, collate_fn=None)  # the loaders' collate_fn is built below
+    collate_node = cfg.data.get("collate_fn")
+    collate_fn = instantiate(collate_node) if collate_node is not None else None
+    loaders = build_loaders(splits, cfg.data, env, cfg.trainer.seed, device, collate_fn)
     if len(loaders.train) < cfg.trainer.grad_accum:
         raise ConfigError(
             f"the training set ({len(splits.train)} samples) is smaller than one global batch "
             f"({global_batch_size}): lower data.batch_size, trainer.grad_accum or "
             "launcher.nproc_per_node"
         )
-    return loaders
+    return splits, loaders
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Whatever runs inside draws nothing from the streams training uses."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        restore_rng(state)
+
+
+@torch.no_grad()
+def check_task(task: Task, module: torch.nn.Module, splits: Splits, loaders: Loaders,
+               device: torch.device) -> None:  # fmt: skip
+    """The task on a real training batch, before anything is written: a task that cannot read
+    the data, or a model whose outputs do not fit it, is a ConfigError naming the fix (every
+    rank sees the same batch and raises alike). Eval mode and saved RNG: training is unchanged."""
+    batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
+    module.eval()
+    with preserved_rng():
+        task.check(module, to_device(batch, device))
+    module.train()
+
+
+def write_artifacts(task: Task, model: torch.nn.Module, splits: Splits, loaders: Loaders,
+                    device: torch.device, run: RunDir) -> None:
+    """What the task makes from the trained model (pictures, text), into the run dir."""
+    batch = first_batch(splits.val, loaders.val.batch_size, loaders.val.collate_fn)
+    model.eval()
+    with preserved_rng(), torch.no_grad():
+        made = task.artifacts(model, to_device(batch, device), splits.decode)
+    for name, content in made.items():
+        if isinstance(content, str):
+            (run.path / name).write_text(content)
+        else:
+            try_plot(save_image_grid, content, run.path / name)
 
 
 def build_model(cfg: DictConfig, env: DistEnv, device: torch.device) -> Model:

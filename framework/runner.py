@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -26,12 +25,14 @@ from tqdm import tqdm
 from framework.checkpoint import Checkpointer, check_model_keys, restore_rng, rng_state
 from framework.comm import Comm
 from framework.context import DistEnv
-from framework.data import Loaders
+from framework.data import Loaders, to_device
 from framework.distributed import all_reduce_sum
 from framework.outcomes import ReplicasDiverged, Stopped
 from framework.precision import Precision
 from framework.sinks import MetricSink
 from framework.stopping import NonFinitePolicy, StepAgreement, StopRequests, Verdict
+from framework.tasks import Task
+from framework.tasks.base import Count
 
 log = logging.getLogger("framework")
 
@@ -96,6 +97,7 @@ class Runner:
         env: DistEnv,
         device: torch.device,
         trainer: SimpleNamespace,  # trainer.* as plain attributes (read every step)
+        task: Task,
         model: Model,
         loaders: Loaders,
         optimization: Optimization,
@@ -103,7 +105,7 @@ class Runner:
         checkpointer: Checkpointer,
         stop_requests: StopRequests,
     ) -> None:
-        self.env, self.device, self.cfg = env, device, trainer
+        self.env, self.device, self.cfg, self.task = env, device, trainer, task
         self.model, self.module, self.ema = model.train, model.module, model.ema
         self.params = list(model.module.parameters())  # walked every step: listed once
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
@@ -117,7 +119,7 @@ class Runner:
         self.agreement = StepAgreement(env, device, stop_requests)
         self.nonfinite = NonFinitePolicy(trainer.on_nonfinite)
         self.state = TrainState()
-        self.window = _Window(device)
+        self.window = _Window(device, extras=task.train_sums)
         self.rng = _RNGStreams()
         self.position = _LoaderPosition(loaders.train.generator)
         self.shared: dict[str, Stateful | None] = {
@@ -145,14 +147,16 @@ class Runner:
         while not self.finished() and stop_signal is None:
             for micro_batches in micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum):
                 lr = self.optimizer.param_groups[0]["lr"]
-                loss, verdict = self.train_step(micro_batches)
+                step_totals, verdict = self.train_step(micro_batches)
                 self.state.step += 1
-                if loss is not None:  # None: a skipped step, its loss is not worth averaging
-                    window.add(loss)
+                if step_totals is not None:  # None: a skipped step, not worth averaging
+                    window.add(step_totals)
                 progress.update()
                 if self.state.step % self.cfg.log_every == 0 or self.finished():
                     self.log_train(window, lr)
-                if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0:
+                # The last step's evaluation is the final one, after the final save.
+                if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0 and \
+                        not self.finished():  # fmt: skip
                     window.pause()
                     self.log_eval()
                     window.resume()
@@ -187,30 +191,33 @@ class Runner:
         self.rng.apply_restored()
         return batches
 
-    def to_device(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Images go channels-last when the model is (trainer.channels_last)."""
-        if self.cfg.channels_last and inputs.dim() == 4:
-            return inputs.to(self.device, non_blocking=True, memory_format=torch.channels_last)
-        return inputs.to(self.device, non_blocking=True)
+    def to_device(self, batch: Any) -> Any:
+        return to_device(batch, self.device, self.cfg.channels_last)
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor | None, Verdict]:
-        """One optimizer step over grad_accum micro-batches. Returns the mean loss (on device;
-        None when the update was skipped) and what every rank learned at this step."""
+        """One optimizer step over grad_accum micro-batches. Returns this rank's [loss sum, item
+        count, train sums...] for the log window (on device; None when the update was skipped)
+        and what every rank learned at this step."""
         if not self.module.training:  # only after an evaluation: train() walks every module
             self.model.train()
-        loss_sum = torch.zeros((), device=self.device)
+        counts = [self.task.count(batch) for batch in micro_batches]
+        scale = self._per_item(counts)
+        totals = torch.zeros(2 + len(self.task.train_sums), dtype=torch.float64,
+                             device=self.device)  # fmt: skip
         last = len(micro_batches) - 1
-        for index, (inputs, targets) in enumerate(micro_batches):
-            inputs = self.to_device(inputs)
-            targets = targets.to(self.device, non_blocking=True)
+        for index, batch in enumerate(micro_batches):
+            batch = self.to_device(batch)
             # Only the last micro-batch synchronises gradients; the others accumulate locally.
             sync = index == last or not self.env.distributed
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 with self.precision.forward_context():
-                    loss = F.cross_entropy(self.model(inputs), targets)
-                self.precision.backward(loss / len(micro_batches))
-            loss_sum += loss.detach().float()
-        previous = self.agreement.exchange(torch.isfinite(loss_sum))
+                    loss = self.task.loss(self.model, batch)
+                self.precision.backward(loss.total * scale)
+            totals[0] += loss.total.detach()
+            for position, name in enumerate(self.task.train_sums, start=2):
+                totals[position] += loss.sums[name]
+        totals[1] += sum(counts)
+        previous = self.agreement.exchange(torch.isfinite(totals[0]))
         if self._grads_finite():
             verdict = previous
             if verdict.nonfinite_loss_ranks:  # a loss went bad alone one step ago
@@ -218,7 +225,7 @@ class Runner:
             self.precision.step(self.optimizer, self.module.parameters(), self.cfg.clip_grad_norm)
             if self.ema is not None:
                 self.ema.update_parameters(self.module)
-            mean_loss: torch.Tensor | None = loss_sum / len(micro_batches)
+            kept: torch.Tensor | None = totals
         else:
             # Every rank is here (same gradients): wait for this step's exchange to name the
             # ranks whose loss went bad, then stop or skip the update.
@@ -226,11 +233,22 @@ class Runner:
             verdict = Verdict(previous.stop_signal or current.stop_signal,
                               current.nonfinite_loss_ranks)  # fmt: skip
             self._on_nonfinite(current.nonfinite_loss_ranks, step=self.state.step + 1, kept=False)
-            mean_loss = None
+            kept = None
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.samples_seen += self.global_batch_size
-        return mean_loss, verdict
+        return kept, verdict
+
+    def _per_item(self, counts: list[Count]) -> float | torch.Tensor:
+        """What each micro-batch's summed loss is multiplied by: world_size / the items of the
+        whole step (every micro-batch of every rank). DDP averages gradients over the ranks, so
+        the step's gradient is that of the mean loss over all of its items. A count that
+        follows from shapes (an int) is the same on every rank: no collective."""
+        if all(isinstance(count, int) for count in counts):
+            return 1.0 / max(sum(counts), 1)
+        local = sum(torch.as_tensor(count, dtype=torch.float64) for count in counts)
+        total = all_reduce_sum(torch.as_tensor(local, device=self.device))  # one small collective
+        return self.env.world_size / total.clamp_min(1.0)
 
     def _grads_finite(self) -> bool:
         """After DDP's synchronisation the gradients are identical on every rank, so this
@@ -253,33 +271,38 @@ class Runner:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Validation loss and accuracy, summed over every rank's shard (no padding)."""
-        model = self.ema.module if self.ema is not None else self.module
+        """The task's metrics over the whole validation set: every rank adds up the task's sum
+        states over its shard (no padding, no duplicates), then one all-reduce."""
+        model = self.evaluated_model()
         model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, count
-        for inputs, targets in self.val_loader:
-            inputs = self.to_device(inputs)
-            targets = targets.to(self.device, non_blocking=True)
+        names = self.task.states
+        totals = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        for batch in self.val_loader:
+            batch = self.to_device(batch)
             with self.precision.forward_context():
-                logits = model(inputs).float()
-            totals[0] += F.cross_entropy(logits, targets, reduction="sum").double()
-            totals[1] += (logits.argmax(dim=1) == targets).sum()
-            totals[2] += targets.numel()
-        loss_sum, correct, count = all_reduce_sum(totals).tolist()
-        return {"val/loss": loss_sum / max(count, 1), "val/accuracy": correct / max(count, 1)}
+                states = self.task.evaluate(model, batch)
+            totals += torch.stack([torch.as_tensor(states[name], device=self.device).double()
+                                   for name in names])  # fmt: skip
+        reduced = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
+        return {f"val/{name}": value for name, value in self.task.compute(reduced).items()}
+
+    def evaluated_model(self) -> nn.Module:
+        """The weights evaluation uses: the EMA's when trainer.ema_decay is set."""
+        return self.ema.module if self.ema is not None else self.module
 
     # --- sinks ------------------------------------------------------------------------------
     def log_train(self, window: _Window, lr: float) -> None:
-        # The one host sync of a logging step: reduce the window's loss over all ranks.
-        mean_loss = all_reduce_sum(window.loss_sum.clone()).item() / max(
-            window.steps * self.env.world_size, 1
-        )
+        # The one host sync of a logging step: the window's sums over all ranks, per item.
+        loss, count, *sums = all_reduce_sum(window.totals.clone()).tolist()
+        per_item = {f"train/{name}": value / max(count, 1)
+                    for name, value in zip(self.task.train_sums, sums, strict=True)}  # fmt: skip
         steps, seconds = window.steps, window.close()
         self.state.train_seconds += seconds
         event = {
             "step": self.state.step,
             "epoch": self.epochs_done(),
-            "train/loss": mean_loss,
+            "train/loss": loss / max(count, 1),
+            **per_item,
             "lr": lr,
             "samples_per_s": steps * self.global_batch_size / max(seconds, 1e-9),
             "train/nonfinite_skipped": self.state.nonfinite_skipped,
@@ -347,21 +370,21 @@ class Runner:
             **self.comm.metrics(),
         }
         self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **final})
-        self.sink.summary(summary)
         return summary
 
 
 class _Window:
-    """Loss and training time since the last log event; the loss stays on device."""
+    """Since the last log event: [loss sum, item count, the task's train sums...] (on device)
+    and the training time."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.loss_sum = torch.zeros((), device=device)
+    def __init__(self, device: torch.device, extras: tuple[str, ...] = ()) -> None:
+        self.totals = torch.zeros(2 + len(extras), dtype=torch.float64, device=device)
         self.steps = 0
         self.seconds = 0.0
         self.started = time.perf_counter()
 
-    def add(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss
+    def add(self, step_totals: torch.Tensor) -> None:
+        self.totals += step_totals
         self.steps += 1
 
     def pause(self) -> float:
@@ -377,16 +400,16 @@ class _Window:
         """Training seconds in this window; starts the next one."""
         self.pause()
         seconds = self.seconds
-        self.loss_sum.zero_()
+        self.totals.zero_()
         self.steps, self.seconds = 0, 0.0
         self.resume()
         return seconds
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loss_sum": self.loss_sum.cpu(), "steps": self.steps}
+        return {"totals": self.totals.cpu(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loss_sum.copy_(state["loss_sum"])
+        self.totals.copy_(state["totals"])
         self.steps = state["steps"]
 
 

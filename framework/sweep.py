@@ -21,7 +21,7 @@ from framework.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-METRICS = ("val/accuracy", "val/loss", "steps", "samples_per_s", "wall_s")
+RUN_COLUMNS = ("steps", "samples_per_s", "wall_s")  # after the objective and the val/* metrics
 
 
 @dataclass
@@ -57,23 +57,40 @@ class JobRow:
 class SweepSummary:
     """The rows of one sweep, kept across the launcher's batches (optuna launches several)."""
 
-    def __init__(self, sweep_dir: Path, objective: str) -> None:
-        self.sweep_dir, self.objective = sweep_dir, objective
+    def __init__(self, sweep_dir: Path, objective: str | None) -> None:
+        self.sweep_dir, self.configured_objective = sweep_dir, objective
         self.rows: dict[int, JobRow] = {}
+
+    @property
+    def objective(self) -> str:
+        """The configured objective, or (null: the task's main metric) what the jobs report."""
+        reported = [row.metrics["objective"] for row in self.rows.values()
+                    if "objective" in row.metrics]  # fmt: skip
+        return self.configured_objective or (reported[0] if reported else "objective")
+
+    def best(self) -> JobRow | None:
+        """The completed job with the best objective, by its direction."""
+        scored = [row for row in self.rows.values() if self.objective in row.metrics]
+        if not scored:
+            return None
+        sign = -1 if scored[0].metrics.get("objective_direction") == "min" else 1
+        return max(scored, key=lambda row: sign * row.metrics[self.objective])
 
     def add(self, first_num: int, returns: list[JobReturn]) -> None:
         for offset, ret in enumerate(returns):
             self.rows[first_num + offset] = JobRow.from_return(first_num + offset, ret)
         self.write()
         failed = sum(row.status == "failed" for row in self.rows.values())
-        log.info(
-            "sweep summary (%d jobs, %d failed): %s", len(self.rows), failed,
-            self.sweep_dir / "summary.md",
-        )  # fmt: skip
+        best = self.best()
+        leader = f"; best {self.objective}: job {best.num}" if best else ""
+        log.info("sweep summary (%d jobs, %d failed%s): %s", len(self.rows), failed, leader,
+                 self.sweep_dir / "summary.md")  # fmt: skip
 
     def table(self) -> tuple[list[str], list[list[str]]]:
         keys = sorted({key for row in self.rows.values() for key in row.overrides})
-        metrics = [self.objective, *(m for m in METRICS if m != self.objective)]
+        reported = sorted({key for row in self.rows.values() for key in row.metrics
+                           if key.startswith("val/")})  # fmt: skip
+        metrics = [self.objective, *(m for m in (*reported, *RUN_COLUMNS) if m != self.objective)]
         header = ["job", "status", *keys, *metrics, "run_dir", "error"]
         body = []
         for num in sorted(self.rows):
@@ -97,14 +114,15 @@ class SweepSummary:
         (self.sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
         try_plot(plot_sweep, self.sweep_dir, self.labelled_runs(), self.objective)
 
-    def labelled_runs(self) -> list[tuple[str, Path]]:
-        """Each completed job's dir, labelled with its number and the overrides that vary."""
+    def labelled_runs(self) -> list[tuple[str, Path, float]]:
+        """Each completed job: a label (its number and the overrides that vary), its dir and
+        its final objective."""
         rows = [self.rows[num] for num in sorted(self.rows)]
         varying = [key for key in sorted({k for row in rows for k in row.overrides})
                    if len({row.overrides.get(key) for row in rows}) > 1]  # fmt: skip
         return [
             (" ".join([f"#{row.num}", *(f"{k}={row.overrides.get(k, '')}" for k in varying)]),
-             Path(row.run_dir))
+             Path(row.run_dir), row.metrics.get(self.objective, float("nan")))
             for row in rows if row.status == "completed"
         ]  # fmt: skip
 

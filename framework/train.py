@@ -62,7 +62,7 @@ def hydra_app(cfg: DictConfig) -> float | None:
             detail = getattr(error, "detail", None)  # what the failing rank said
             raise JobFailed(f"{error}: {detail}" if detail else str(error)) from None
         end(error)
-    return None if summary is None else summary[cfg.objective]
+    return None if summary is None else summary[summary["objective"]]
 
 
 def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from framework.models import MLP
+from framework.models import GPT, MLP
 
 FAULT_ENV = "FRAMEWORK_TEST_FAULT"
 
@@ -56,6 +56,23 @@ class FaultyMLP(MLP):
         if kind == "slow":
             return this_rank == int(rank) and self.calls >= int(step)
         return this_rank == int(rank) and self.calls == int(step)
+
+
+class FaultyGPT(GPT):
+    """framework.models.GPT (with dropout: the torch stream matters on resume) and the
+    injected fault, for exact-resume tests of the language model."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault = os.environ.get(FAULT_ENV)
+        self.calls = 0
+
+    def forward(self, tokens):
+        if self.training:
+            self.calls += 1
+            if self.fault and FaultyMLP._due(self):
+                _act(self.fault.split(":")[0])
+        return super().forward(tokens)
 
 
 def _act(kind: str) -> None:

@@ -52,6 +52,42 @@ class ResNet50Config(ModelConfig):
     _target_: str = "framework.models.resnet50"
 
 
+@dataclass
+class FeedForwardConfig:
+    """Linear-GELU blocks from data.num_features to data.num_outputs (tables)."""
+
+    _target_: str = "framework.models.FeedForward"
+    in_features: int = "${data.num_features}"  # type: ignore[assignment]
+    out_features: int = "${data.num_outputs}"  # type: ignore[assignment]
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    dropout: float = 0.0
+
+
+@dataclass
+class VAEModelConfig:
+    """MLP encoder to a Gaussian latent, MLP decoder to one logit per pixel."""
+
+    _target_: str = "framework.models.VAE"
+    in_channels: int = "${data.in_channels}"  # type: ignore[assignment]
+    image_size: int = "${data.image_size}"  # type: ignore[assignment]
+    latent_dim: int = 8
+    hidden_size: int = 256
+    sample: bool = True  # false: the latent is its mean (deterministic, for parity tests)
+
+
+@dataclass
+class GPTConfig:
+    """A nanoGPT-style decoder-only transformer over data.vocab_size tokens."""
+
+    _target_: str = "framework.models.GPT"
+    vocab_size: int = "${data.vocab_size}"  # type: ignore[assignment]
+    block_size: int = "${data.block_size}"  # type: ignore[assignment]
+    layers: int = 4
+    heads: int = 4
+    width: int = 128
+    dropout: float = 0.0
+
+
 # --- data -----------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
@@ -63,6 +99,9 @@ class DataConfig:
     persistent_workers: bool = True  # only takes effect with num_workers > 0
     shuffle: bool = True
     drop_last: bool = True  # training only; evaluation never drops or pads
+    # Batches samples that torch's default_collate cannot: {_target_: ...} naming a callable
+    # (or a class, with _partial_ for arguments), e.g. framework.data.PadSequences.
+    collate_fn: Any = None
     in_channels: int = 3
     image_size: int = 32
     num_classes: int = 10
@@ -77,6 +116,32 @@ class DigitsConfig(DataConfig):
     image_size: int = 8
     val_fraction: float = 0.2  # held-out share (360 images)
     split_seed: int = 0
+    normalize: bool = True  # pixels in [-1, 1]; false: [0, 1] (for task.reconstruction=bce)
+
+
+@dataclass
+class DiabetesConfig(DataConfig):
+    """scikit-learn's bundled diabetes: 442 patients, 10 features, a real-valued target."""
+
+    _target_: str = "framework.data.diabetes"
+    batch_size: int = 16
+    num_features: int = 10
+    num_outputs: int = 1
+    val_fraction: float = 0.2  # held-out share (88 patients)
+    split_seed: int = 0
+
+
+@dataclass
+class TextConfig(DataConfig):
+    """English text shipped with Python (pydoc_data.topics), one token per ASCII character."""
+
+    _target_: str = "framework.data.text"
+    batch_size: int = 16
+    eval_batch_size: int = 64
+    block_size: int = 128  # tokens of context per sequence
+    stride: int = 128  # training windows start every `stride` tokens
+    val_fraction: float = 0.1  # the last 10% of the text
+    vocab_size: int = 128
 
 
 @dataclass
@@ -231,6 +296,48 @@ class PowerSGDConfig(CommConfig):
     seed: int = 0  # random projections, identical on every rank
 
 
+# --- tasks (framework/tasks/) ------------------------------------------------------------------
+@dataclass
+class TaskConfig:
+    _target_: str = MISSING  # a framework.tasks.Task subclass
+
+
+@dataclass
+class ClassificationConfig(TaskConfig):
+    """Cross-entropy over class logits; val/accuracy, val/loss."""
+
+    _target_: str = "framework.tasks.Classification"
+    label_smoothing: float = 0.0  # training loss only; val/loss is the plain cross-entropy
+    ignore_index: int | None = None  # a label to skip (per-pixel labels with a void class)
+
+
+@dataclass
+class RegressionConfig(TaskConfig):
+    """Squared error; val/r2, val/mse, val/mae."""
+
+    _target_: str = "framework.tasks.Regression"
+
+
+@dataclass
+class LanguageModelConfig(TaskConfig):
+    """Next-token cross-entropy per token; val/loss, val/perplexity, val/bits_per_char."""
+
+    _target_: str = "framework.tasks.LanguageModel"
+    ignore_index: int = -100  # target value of padding: no loss, not counted
+    chars_per_token: float = 1.0  # for bits_per_char (1: one token per character)
+    sample_tokens: int = 300  # text generated into samples.txt at the end (0: none)
+
+
+@dataclass
+class AutoencoderConfig(TaskConfig):
+    """Reconstruct the inputs; vae=true adds the KL term and reports val/elbo."""
+
+    _target_: str = "framework.tasks.Autoencoder"
+    vae: bool = False
+    reconstruction: str = "mse"  # mse | bce (Bernoulli likelihood of inputs in [0, 1])
+    kl_weight: float = 1.0  # beta of a beta-VAE (1: the ELBO)
+
+
 # --- launch, logging, trainer ---------------------------------------------------------------
 @dataclass
 class LauncherConfig:
@@ -367,6 +474,7 @@ class CheckpointConfig:
 
 @dataclass
 class Config:
+    task: Any = MISSING
     model: Any = MISSING
     data: Any = MISSING
     optimizer: Any = MISSING
@@ -379,19 +487,26 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     # The summary metric the app returns to Hydra (sweepers such as optuna optimise it) and the
-    # sweep summary lists first.
-    objective: str = "val/accuracy"
+    # sweep summary lists first: val/<a metric of the task>, samples_per_s or wall_s. Null: the
+    # task's main metric (val/accuracy for classification, val/r2, val/loss, val/elbo ...).
+    objective: str | None = None
     # Module prefixes `_target_` may name, on top of torch, torchvision, framework and
     # experiments (framework/targets.py). Config files only: the command line cannot set it.
     allowed_targets: list[str] = field(default_factory=list)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
+    "task": {"base": TaskConfig, "classification": ClassificationConfig,
+             "regression": RegressionConfig, "language_model": LanguageModelConfig,
+             "autoencoder": AutoencoderConfig},  # fmt: skip
     "model": {"base": ModelConfig, "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config,
-              "resnet50": ResNet50Config},  # fmt: skip
+              "resnet50": ResNet50Config, "ffn": FeedForwardConfig, "vae": VAEModelConfig,
+              "gpt": GPTConfig},  # fmt: skip
     "data": {
         "base": DataConfig,
         "digits": DigitsConfig,
+        "diabetes": DiabetesConfig,
+        "text": TextConfig,
         "synthetic": SyntheticConfig,
         "cifar10": Cifar10Config,
     },

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework import context
@@ -19,8 +20,9 @@ from framework.outcomes import ConfigError
 from framework.targets import check_targets
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
-OBJECTIVES = ("val/accuracy", "val/loss", "samples_per_s", "wall_s")
-GROUPS = ("model", "data", "optimizer", "scheduler", "precision", "comm", "launcher", "logger")
+RUN_METRICS = {"samples_per_s": "max", "wall_s": "min"}  # objectives every run reports
+GROUPS = ("task", "model", "data", "optimizer", "scheduler", "precision", "comm", "launcher",
+          "logger")  # fmt: skip
 
 
 def require(condition: bool, message: str) -> None:
@@ -42,14 +44,25 @@ def validate(cfg: DictConfig) -> None:
     require(cfg.dist.backend in ("auto", "gloo", "nccl"),
             f"dist.backend={cfg.dist.backend!r} is invalid: choose auto, gloo or nccl")  # fmt: skip
     require(cfg.dist.timeout_s > 0, f"dist.timeout_s={cfg.dist.timeout_s} must be > 0")
-    require(
-        cfg.objective in OBJECTIVES,
-        f"objective={cfg.objective!r} is not a summary metric: choose one of "
-        f"{', '.join(OBJECTIVES)}",
-    )
     for group in GROUPS:
         for check in checks_for(OmegaConf.get_type(cfg[group])):
             check(cfg[group], cfg)
+    resolve_objective(cfg.objective, task_directions(cfg))
+
+
+def task_directions(cfg: DictConfig) -> dict[str, str]:
+    """{val/<metric>: min | max} of the configured task (built here: a task holds settings)."""
+    return instantiate(cfg.task).directions()
+
+
+def resolve_objective(objective: str | None, directions: dict[str, str]) -> tuple[str, str]:
+    """(name, min | max) of `objective`; None picks the task's main metric (its first)."""
+    known = {**directions, **RUN_METRICS}
+    name = next(iter(directions)) if objective is None else objective
+    main = next(iter(directions))
+    require(name in known, f"objective={objective!r} is not a metric this run reports: choose "
+                           f"one of {', '.join(known)} (or null for {main})")  # fmt: skip
+    return name, known[name]
 
 
 def _check_trainer(t: DictConfig) -> None:
@@ -177,6 +190,17 @@ def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
     )
 
 
+def _check_autoencoder(task: DictConfig, cfg: DictConfig) -> None:
+    require(task.reconstruction in ("mse", "bce"),
+            f"task.reconstruction={task.reconstruction!r} is invalid: choose mse or bce")
+    require(task.kl_weight >= 0, f"task.kl_weight={task.kl_weight} must be >= 0")
+
+
+def _check_classification(task: DictConfig, cfg: DictConfig) -> None:
+    require(0 <= task.label_smoothing < 1,
+            f"task.label_smoothing={task.label_smoothing} must be in [0, 1)")  # fmt: skip
+
+
 def _check_wandb(logger: DictConfig, cfg: DictConfig) -> None:
     require(logger.mode in ("auto", "online", "offline", "disabled"),
             f"logger.mode={logger.mode!r} is invalid: choose auto, online, offline or "
@@ -192,6 +216,8 @@ CHECKS: dict[type, Check] = {
     s.PowerSGDConfig: _check_powersgd,
     s.Cifar10Config: _check_cifar10,
     s.WandbLoggerConfig: _check_wandb,
+    s.AutoencoderConfig: _check_autoencoder,
+    s.ClassificationConfig: _check_classification,
 }
 
 

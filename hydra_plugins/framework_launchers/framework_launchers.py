@@ -16,6 +16,7 @@ repository root next to framework/, and is installed with it.
 # sys.modules, where dataclasses cannot resolve string annotations.
 
 import logging
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -23,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.plugins.search_path_plugin import SearchPathPlugin
 from hydra_plugins.hydra_submitit_launcher.config import (
     BaseQueueConf,
     LocalQueueConf,
@@ -40,6 +43,9 @@ from omegaconf import OmegaConf, open_dict
 from framework.outcomes import JobFailed
 
 log = logging.getLogger(__name__)
+# Config folders of the user's own packages, set once (a shell profile, a .env):
+#   FRAMEWORK_CONFIG_PATH=pkg://my_research.conf,file:///home/me/more_conf
+CONFIG_PATH_VARIABLE = "FRAMEWORK_CONFIG_PATH"
 
 POLL_S = 1.0  # how often the submitting process looks for a job's result
 STATE_POLL_S = 5.0  # how often it asks the scheduler about the job
@@ -52,7 +58,7 @@ ENDED_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NO
 def _summary(config: Any):
     from framework.sweep import SweepSummary  # imported late: Hydra scans this module often
 
-    return SweepSummary(Path(str(config.hydra.sweep.dir)), str(config.objective))
+    return SweepSummary(Path(str(config.hydra.sweep.dir)), config.objective)
 
 
 class SweepLauncher(BasicLauncher):
@@ -231,3 +237,14 @@ _store.store(group="hydra/launcher", name="framework_slurm", node=SubmititSlurmC
              provider="framework")  # fmt: skip
 _store.store(group="hydra/launcher", name="framework_local", node=SubmititLocalConf,
              provider="framework")  # fmt: skip
+
+
+class UserConfigPath(SearchPathPlugin):
+    """Adds the folders in $FRAMEWORK_CONFIG_PATH (comma-separated pkg:// or file:// paths)
+    after conf/: their group options (task/my_task.yaml, experiment/...) join the shipped ones
+    without an edit of conf/. framework/hydra_callback.py refuses an entry that does not exist."""
+
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        for entry in os.environ.get(CONFIG_PATH_VARIABLE, "").split(","):
+            if entry.strip():
+                search_path.append(provider="framework-user", path=entry.strip())

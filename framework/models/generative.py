@@ -1,0 +1,124 @@
+"""Models for the non-classification presets: a feed-forward net for tables, a VAE for small
+images, and a nanoGPT-style character transformer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.config.schemas import FeedForwardConfig, GPTConfig, VAEModelConfig
+
+
+class FeedForward(nn.Module):
+    """Linear-GELU blocks from `in_features` to `out_features` (tabular regression or
+    classification). No dropout by default: exact DDP parity."""
+
+    def __init__(self, in_features: int, out_features: int, hidden_sizes: list[int],
+                 dropout: float = FeedForwardConfig.dropout) -> None:  # fmt: skip
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = in_features
+        for hidden in hidden_sizes:
+            layers += [nn.Linear(width, hidden), nn.GELU()]
+            if dropout:
+                layers.append(nn.Dropout(dropout))
+            width = hidden
+        layers.append(nn.Linear(width, out_features))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class VAE(nn.Module):
+    """A variational autoencoder for small images: MLP encoder to (mu, logvar) of a
+    `latent_dim` Gaussian, MLP decoder to one logit per pixel. forward() returns
+    (reconstruction logits shaped like the input, mu, logvar). With `sample=False` the latent is
+    mu itself (no noise): deterministic, used by exact-parity tests."""
+
+    def __init__(self, in_channels: int, image_size: int,
+                 latent_dim: int = VAEModelConfig.latent_dim,
+                 hidden_size: int = VAEModelConfig.hidden_size,
+                 sample: bool = VAEModelConfig.sample) -> None:  # fmt: skip
+        super().__init__()
+        self.shape = (in_channels, image_size, image_size)
+        pixels = in_channels * image_size * image_size
+        self.latent_dim, self.sample = latent_dim, sample
+        self.encoder = nn.Sequential(nn.Flatten(), nn.Linear(pixels, hidden_size), nn.GELU(),
+                                     nn.Linear(hidden_size, hidden_size), nn.GELU())  # fmt: skip
+        self.to_mu = nn.Linear(hidden_size, latent_dim)
+        self.to_logvar = nn.Linear(hidden_size, latent_dim)
+        self.decoder = nn.Sequential(nn.Linear(latent_dim, hidden_size), nn.GELU(),
+                                     nn.Linear(hidden_size, hidden_size), nn.GELU(),
+                                     nn.Linear(hidden_size, pixels))  # fmt: skip
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(z).view(-1, *self.shape)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.encoder(x)
+        mu, logvar = self.to_mu(hidden), self.to_logvar(hidden)
+        z = mu
+        if self.sample and self.training:  # the reparameterisation trick
+            z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
+        return self.decode(z), mu, logvar
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width), nn.Dropout(dropout))  # fmt: skip
+        self.heads, self.dropout = heads, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, time, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, time, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer (nanoGPT's shape: pre-norm blocks, causal self-attention,
+    learned positions, tied input/output embeddings). forward(tokens [B, T]) -> logits
+    [B, T, vocab_size]."""
+
+    def __init__(self, vocab_size: int, block_size: int = GPTConfig.block_size,
+                 layers: int = GPTConfig.layers, heads: int = GPTConfig.heads,
+                 width: int = GPTConfig.width,
+                 dropout: float = GPTConfig.dropout) -> None:  # fmt: skip
+        super().__init__()
+        self.block_size = block_size
+        self.tokens = nn.Embedding(vocab_size, width)
+        self.positions = nn.Embedding(block_size, width)
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(_Block(width, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.tokens.weight
+        self.apply(self._init)
+        for name, parameter in self.named_parameters():  # GPT-2's scaled residual projections
+            if name.endswith(("proj.weight", "mlp.2.weight")):
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * layers))
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.dropout(self.tokens(tokens) + self.positions(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))

@@ -1,0 +1,219 @@
+"""Tasks as pure functions: their metrics against reference implementations, the per-item
+normalisation that keeps token-weighted losses exact, and the checks that refuse a task that
+does not fit the data or the model (one message naming the task and the fix)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from sklearn.metrics import mean_absolute_error, r2_score
+from torch import nn
+
+from framework.config import validate
+from framework.data import PadSequences, to_device
+from framework.models import GPT, VAE, FeedForward, SmallCNN
+from framework.outcomes import ConfigError
+from framework.tasks import (
+    Autoencoder,
+    Classification,
+    LanguageModel,
+    Regression,
+    Task,
+    TaskLoss,
+    first_batch,
+)
+from tests.conftest import make_cfg
+
+
+def totals_over(task: Task, model: nn.Module, batches: list) -> dict[str, float]:
+    """What the runner does: add up each batch's sum states (here in one process)."""
+    totals = dict.fromkeys(task.states, 0.0)
+    for batch in batches:
+        for name, value in task.evaluate(model, batch).items():
+            totals[name] += float(value)
+    return task.compute(totals)
+
+
+def test_classification_metrics_are_the_mean_cross_entropy_and_the_accuracy():
+    torch.manual_seed(0)
+    model = SmallCNN(in_channels=1, num_classes=10, width=4).eval()
+    images, labels = torch.randn(37, 1, 8, 8), torch.randint(0, 10, (37,))
+    batches = [(images[:20], labels[:20]), (images[20:], labels[20:])]
+    with torch.no_grad():
+        metrics = totals_over(Classification(), model, batches)
+        logits = model(images)
+    assert metrics["loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-6)
+    assert metrics["accuracy"] == pytest.approx((logits.argmax(1) == labels).float().mean().item())
+
+
+def test_regression_r2_and_mae_match_scikit_learn():
+    torch.manual_seed(0)
+    model = FeedForward(in_features=3, out_features=1, hidden_sizes=[8]).eval()
+    features, targets = torch.randn(51, 3), torch.randn(51)
+    batches = [(features[:17], targets[:17]), (features[17:], targets[17:])]
+    with torch.no_grad():
+        metrics = totals_over(Regression(), model, batches)
+        predictions = model(features).squeeze(-1).double()
+    targets = targets.double()  # scikit-learn computes in its inputs' precision
+    assert metrics["r2"] == pytest.approx(r2_score(targets, predictions), rel=1e-6)
+    assert metrics["mae"] == pytest.approx(mean_absolute_error(targets, predictions), rel=1e-6)
+    assert metrics["mse"] == pytest.approx(F.mse_loss(predictions, targets).item(), rel=1e-9)
+
+
+def ragged_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two micro-batches of next-token pairs holding very different numbers of tokens."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [[3, 2], [30, 25]]
+    pad = PadSequences()
+    batches = []
+    for group in lengths:
+        samples = []
+        for length in group:
+            tokens = torch.randint(0, 16, (length + 1,), generator=generator)
+            samples.append((tokens[:-1], tokens[1:]))
+        batches.append(pad(samples))
+    return batches
+
+
+def test_language_model_perplexity_and_bits_per_char_follow_the_per_token_loss():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=16, block_size=32, layers=1, heads=2, width=16).eval()
+    batches = ragged_batches()
+    task = LanguageModel(chars_per_token=1.0)
+    with torch.no_grad():
+        metrics = totals_over(task, model, batches)
+        per_token = torch.cat([
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")[y.flatten() >= 0]
+            for x, y in batches])  # fmt: skip
+    assert metrics["loss"] == pytest.approx(per_token.mean().item(), rel=1e-6)
+    assert metrics["perplexity"] == pytest.approx(math.exp(metrics["loss"]), rel=1e-9)
+    assert metrics["bits_per_char"] == pytest.approx(metrics["loss"] / math.log(2), rel=1e-9)
+
+
+def test_normalising_by_the_tokens_of_the_whole_step_gives_one_big_batchs_gradient():
+    """What the runner does under accumulation (and across ranks): each micro-batch's summed
+    loss over the step's token count. The naive mean of per-micro-batch means differs."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=16, block_size=32, layers=1, heads=2, width=16)
+    task = LanguageModel()
+    small, large = ragged_batches()
+    step_tokens = sum(int(task.count(batch)) for batch in (small, large))
+
+    def gradient(losses: list[torch.Tensor]) -> torch.Tensor:
+        model.zero_grad()
+        sum(losses).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    exact = gradient([task.loss(model, b).total / step_tokens for b in (small, large)])
+    one_batch = PadSequences()([*zip(*small, strict=True), *zip(*large, strict=True)])
+    reference = gradient([task.loss(model, one_batch).total / int(task.count(one_batch))])
+    torch.testing.assert_close(exact, reference, rtol=1e-5, atol=1e-7)
+    naive = gradient([task.loss(model, b).total / int(task.count(b)) / 2 for b in (small, large)])
+    assert (naive - reference).norm() > 0.1 * reference.norm()  # 5 tokens weighed like 55
+
+
+def test_vae_elbo_is_minus_reconstruction_minus_kl_per_sample():
+    torch.manual_seed(0)
+    model = VAE(in_channels=1, image_size=8, latent_dim=4, hidden_size=16, sample=False).eval()
+    images = torch.rand(9, 1, 8, 8)
+    task = Autoencoder(vae=True, reconstruction="bce")
+    with torch.no_grad():
+        metrics = totals_over(task, model, [(images[:4],), (images[4:],)])
+        logits, mu, logvar = model(images)
+    bce = F.binary_cross_entropy_with_logits(logits, images, reduction="sum").item() / 9
+    kl = (-0.5 * (1 + logvar - mu**2 - logvar.exp()).sum()).item() / 9
+    assert metrics["reconstruction"] == pytest.approx(bce, rel=1e-6)
+    assert metrics["kl"] == pytest.approx(kl, rel=1e-5)
+    assert metrics["elbo"] == pytest.approx(-(bce + kl), rel=1e-6)
+
+
+# --- a task that does not fit is refused before the first step -----------------------------
+class VectorLoss(Task):
+    """A user's task whose loss forgot to sum."""
+
+    name = "vector_loss"
+    metrics, states = {"loss": "min"}, ("loss", "count")
+
+    def count(self, batch):
+        return batch[1].numel()
+
+    def loss(self, model, batch):
+        return TaskLoss(F.cross_entropy(model(batch[0]), batch[1], reduction="none"))
+
+    def evaluate(self, model, batch):
+        return {"loss": self.loss(model, batch).total.sum(), "count": batch[1].numel()}
+
+    def compute(self, totals):
+        return {"loss": totals["loss"] / totals["count"]}
+
+
+images, labels = torch.randn(4, 1, 8, 8), torch.tensor([1, 2, 3, 4])
+MISFITS = [
+    (Classification(), SmallCNN(1, 10, 4), (images, torch.rand(4)),
+     ["task=classification", "not integer class labels", "task=regression"]),
+    (Classification(), SmallCNN(1, 1, 4), (images, labels * 0),
+     ["at least 2 class logits", "task=regression"]),
+    (Classification(), SmallCNN(1, 3, 4), (images, labels),
+     ["labels run from 1 to 4", "3 class logits", "data.num_classes"]),
+    (Regression(), SmallCNN(1, 10, 4), (images, labels),
+     ["task=regression", "not real numbers", "task=classification"]),
+    (Regression(), SmallCNN(1, 10, 4), (images, torch.rand(4)),
+     ["returns [4, 10] for targets [4]", "task=classification"]),
+    (LanguageModel(), SmallCNN(1, 10, 4), (images, labels),
+     ["task=language_model", "token ids", "data=text"]),
+    (Autoencoder(vae=True), SmallCNN(1, 10, 4), (images, labels),
+     ["task.vae=true", "(reconstruction, mu, logvar)", "model=vae"]),
+    (Autoencoder(vae=False), VAE(1, 8, 2, 8), (images,), ["task.vae=true"]),
+    (Autoencoder(vae=True, reconstruction="bce"), VAE(1, 8, 2, 8), (images,),
+     ["inputs in [0, 1]", "data.normalize=false"]),
+    (VectorLoss(), SmallCNN(1, 10, 4), (images, labels), ["must be a scalar", "got shape [4]"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("task", "model", "batch", "expected"), MISFITS,
+                         ids=lambda v: type(v).__name__)  # fmt: skip
+def test_a_task_that_does_not_fit_the_data_or_the_model_is_one_clear_config_error(
+    task, model, batch, expected
+):
+    with pytest.raises(ConfigError) as error, torch.no_grad():
+        task.check(model.eval(), batch)
+    message = str(error.value)
+    assert "\n" not in message
+    for text in expected:
+        assert text in message, message
+
+
+def test_every_shipped_task_fits_its_preset():
+    """The presets' own first batch passes the check they will meet at start-up."""
+    for preset in ("digits_cnn", "diabetes_mlp", "digits_vae", "char_gpt"):
+        cfg = make_cfg(f"experiment={preset}")
+        task, model, splits = instantiate(cfg.task), instantiate(cfg.model), instantiate(cfg.data)
+        with torch.no_grad():
+            task.check(model.eval(), first_batch(splits.train, 4))
+
+
+@pytest.mark.parametrize(("objective", "allowed"), [
+    ("val/acc", ["val/accuracy", "val/loss", "samples_per_s", "wall_s"]),
+    ("val/accuracy", None),  # regression reports r2, mse, mae
+])  # fmt: skip
+def test_an_objective_the_task_does_not_report_names_the_metrics_it_does(objective, allowed):
+    cfg = make_cfg(f"objective={objective}") if allowed else make_cfg(
+        "experiment=diabetes_mlp", f"objective={objective}")  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    for name in allowed or ["val/r2", "val/mse", "val/mae"]:
+        assert name in str(error.value)
+
+
+def test_batches_of_any_nesting_move_to_the_device_and_only_images_go_channels_last():
+    batch = {"image": torch.rand(2, 3, 4, 4), "mask": torch.ones(2, 4, 4, 1, dtype=torch.long),
+             "pair": (torch.zeros(1), [torch.ones(2)]), "name": "x"}  # fmt: skip
+    moved = to_device(batch, torch.device("cpu"), channels_last=True)
+    assert moved["image"].is_contiguous(memory_format=torch.channels_last)
+    assert moved["mask"].is_contiguous()  # 4-D but not floating point: not an image
+    assert isinstance(moved["pair"], tuple) and isinstance(moved["pair"][1], list)
+    assert moved["name"] == "x"
