@@ -9,12 +9,6 @@ from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
 import torch
-
-# Imported now, before any process group exists. DDP's constructor imports it anyway (1-3 s);
-# when that import happened after gloo's threads had started (once torchvision stopped
-# importing it at start-up), successful ranks aborted at exit ("terminate called without an
-# active exception") in 3 of ~100 multi-process runs in CI.
-import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -65,6 +59,14 @@ def process_group(
         yield
     finally:
         dist.destroy_process_group()
+
+
+def host_group(env: DistEnv, backend: str) -> dist.ProcessGroup | None:
+    """Collective (every rank): a gloo group for flags that live on the host (stop signals),
+    when training talks over NCCL; None when the default group already is gloo."""
+    if not env.distributed or backend == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, ddp_cfg: Mapping) -> nn.Module:

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from framework import context
 from framework.config import validate
 from framework.config.validation import require
-from framework.launch.submitit import check_cluster
+from framework.launch.cluster import check_cluster
 from framework.outcomes import ConfigError, end
 from framework.redaction import redact_multirun_master, write_hydra_record
 from framework.rundir import RunDir

@@ -36,11 +36,24 @@ class Precision:
         loss.backward()
 
     def step(
-        self, optimizer: Optimizer, params: Iterable[torch.Tensor], clip_grad_norm: float | None
+        self,
+        optimizer: Optimizer,
+        params: Iterable[torch.Tensor],
+        clip_grad_norm: float | None,
+        found_inf: torch.Tensor | None = None,
     ) -> None:
+        """Clip, then step. `found_inf` (a device flag, 1: drop this update) reaches the
+        optimizer the way GradScaler tells a fused optimizer to skip: no host read."""
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        optimizer.step()
+        if found_inf is None:
+            optimizer.step()
+            return
+        optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
 
     def loss_scale(self) -> torch.Tensor | None:
         """The factor gradients carry during backward (AMP), as a device tensor."""
@@ -93,7 +106,11 @@ class AMP(Precision):
         self.scaler.scale(loss).backward()
 
     def step(
-        self, optimizer: Optimizer, params: Iterable[torch.Tensor], clip_grad_norm: float | None
+        self,
+        optimizer: Optimizer,
+        params: Iterable[torch.Tensor],
+        clip_grad_norm: float | None,
+        found_inf: torch.Tensor | None = None,  # GradScaler finds inf/NaN gradients itself
     ) -> None:
         self.scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
         if clip_grad_norm is not None:

@@ -18,22 +18,29 @@ from typing import Any
 
 import numpy as np
 import torch
+
+# Imported with this module, before any process group exists. DDP's constructor imports it
+# anyway; imported there, after gloo's threads had started, it made successful ranks abort at
+# exit ("terminate called without an active exception") in 3 of ~100 runs (torch 2.13).
+import torch._dynamo  # noqa: F401
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from framework import startup
 from framework.checkpoint import Checkpointer, restore_rng, rng_state, training_settings
 from framework.config.validation import resolve_objective
 from framework.context import DistEnv
 from framework.data import Loaders, Splits, build_loaders, to_device
 from framework.distributed import (
     broadcast_object,
+    host_group,
     limit_cpu_threads,
     pick_backend,
     pick_device,
     process_group,
     wrap_ddp,
 )
+from framework.ema import EMA
 from framework.optim import build_optimizer, scaled_lr
 from framework.outcomes import ConfigError, NonFiniteLoss, Stopped
 from framework.plots import plot_run, save_image_grid, try_plot
@@ -61,6 +68,7 @@ def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, A
     requests = StopRequests(list(cfg.trainer.stop_signals)).install()
     try:
         with process_group(env, backend, cfg.dist.timeout_s, store):
+            startup.mark("process group")
             if env.composed_own_config and env.distributed:
                 cfg, run_dir = broadcast_object((cfg, run_dir))  # rank 0's config runs
             setup_logging(env.is_main, env.rank, RunDir(run_dir).log)
@@ -91,9 +99,11 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
     log.info("Instantiating task <%s>", cfg.task._target_)
     task = instantiate(cfg.task)
     splits, loaders = build_data(cfg, env, device, global_batch_size)
+    startup.mark("data")
     total_steps = planned_steps(t, steps_per_epoch=len(loaders.train) // t.grad_accum)
     model = build_model(cfg, env, device)
     check_task(task, model.module, splits, loaders, device)
+    startup.mark("model")
     seed_everything(t.seed + env.rank)  # per-rank streams from here on (dropout, augmentation)
     optimization = build_optimization(cfg, env, device, model, global_batch_size, total_steps)
     if t.compile:
@@ -123,12 +133,14 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
             env=env, device=device, trainer=SimpleNamespace(**OmegaConf.to_container(t)),
             task=task, model=model, loaders=loaders, optimization=optimization, sink=sink,
             checkpointer=checkpointer, stop_requests=requests,
+            control_group=host_group(env, backend),
         )  # fmt: skip
         if resumed:
             path, payload = resumed
             runner.load_checkpoint(path, payload)
             log.info("resumed from %s at step %d (epoch %d)", path, runner.state.step,
                      runner.state.epoch)  # fmt: skip
+        startup.mark("setup")
         summary = runner.fit()
         objective, direction = resolve_objective(cfg.objective, task.directions())
         summary.update(objective=objective, objective_direction=direction)
@@ -242,12 +254,7 @@ def build_model(cfg: DictConfig, env: DistEnv, device: torch.device) -> Model:
     if t.channels_last:
         module = module.to(memory_format=torch.channels_last)
     train = wrap_ddp(module, device, cfg.dist.ddp) if env.distributed else module
-    ema = None
-    if t.ema_decay is not None:
-        ema = AveragedModel(
-            module, multi_avg_fn=get_ema_multi_avg_fn(t.ema_decay), use_buffers=True
-        )
-    return Model(train, module, ema)
+    return Model(train, module, EMA(module, t.ema_decay) if t.ema_decay is not None else None)
 
 
 def build_optimization(cfg: DictConfig, env: DistEnv, device: torch.device, model: Model,

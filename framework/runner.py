@@ -19,18 +19,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
-from torch.optim.swa_utils import AveragedModel
 from tqdm import tqdm
 
+from framework import startup
 from framework.checkpoint import Checkpointer, check_model_keys, restore_rng, rng_state
 from framework.comm import Comm
 from framework.context import DistEnv
 from framework.data import Loaders, to_device
 from framework.distributed import all_reduce_sum
+from framework.ema import EMA
 from framework.outcomes import ReplicasDiverged, Stopped
 from framework.precision import Precision
 from framework.sinks import MetricSink
-from framework.stopping import NonFinitePolicy, StepAgreement, StopRequests, Verdict
+from framework.stopping import NonFinitePolicy, NonFiniteWatch, SignalExchange, StopRequests
 from framework.tasks import Task
 from framework.tasks.base import Count
 
@@ -66,7 +67,7 @@ class Model:
 
     train: nn.Module  # what forward/backward run on (DDP-wrapped, compiled)
     module: nn.Module  # the bare model under it: its state_dict is what is saved
-    ema: AveragedModel | None = None  # evaluated instead of `module` when set
+    ema: EMA | None = None  # evaluated instead of `module` when set
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Runner:
         sink: MetricSink,
         checkpointer: Checkpointer,
         stop_requests: StopRequests,
+        control_group: dist.ProcessGroup | None = None,  # a CPU (gloo) group for stop signals
     ) -> None:
         self.env, self.device, self.cfg, self.task = env, device, trainer, task
         self.model, self.module, self.ema = model.train, model.module, model.ema
@@ -116,8 +118,13 @@ class Runner:
         self.global_batch_size = loaders.train.batch_size * env.world_size * trainer.grad_accum
         self.steps_per_epoch = len(loaders.train) // trainer.grad_accum
         self.total_steps = planned_steps(trainer, self.steps_per_epoch)
-        self.agreement = StepAgreement(env, device, stop_requests)
+        self.signals = SignalExchange(env, stop_requests, control_group)
+        self.watch = NonFiniteWatch(env, device)
         self.nonfinite = NonFinitePolicy(trainer.on_nonfinite)
+        # trainer.on_nonfinite=skip drops a step's update on the device where the optimizer
+        # takes GradScaler's found_inf (torch's fused SGD/Adam/AdamW); others need a host read.
+        self.skip_on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
+        self._true = torch.ones((), dtype=torch.bool, device=device)
         self.state = TrainState()
         self.window = _Window(device, extras=task.train_sums)
         self.rng = _RNGStreams()
@@ -143,14 +150,16 @@ class Runner:
         window = self.window
         window.resume()
         final_save = self.checkpointer.cfg.final
+        first_step = self.state.step + 1
         stop_signal = None
         while not self.finished() and stop_signal is None:
             for micro_batches in micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum):
                 lr = self.optimizer.param_groups[0]["lr"]
-                step_totals, verdict = self.train_step(micro_batches)
+                step_totals, agreed_signal = self.train_step(micro_batches)
                 self.state.step += 1
-                if step_totals is not None:  # None: a skipped step, not worth averaging
-                    window.add(step_totals)
+                if self.state.step == first_step:
+                    self._log_startup()
+                window.add(step_totals)
                 progress.update()
                 if self.state.step % self.cfg.log_every == 0 or self.finished():
                     self.log_train(window, lr)
@@ -160,16 +169,17 @@ class Runner:
                     window.pause()
                     self.log_eval()
                     window.resume()
-                ending = verdict.stop_signal or self.finished()
+                ending = agreed_signal or self.finished()
                 if self.checkpointer.due(self.state.step) and not (ending and final_save):
                     self.save_checkpoint()
                 if ending:
-                    stop_signal = verdict.stop_signal
+                    stop_signal = agreed_signal
                     break
             else:
                 self.state.epoch += 1
         progress.close()
-        self.agreement.collect()  # the last step's exchange: nothing may stay in flight
+        self.signals.collect()  # the last step's exchange: nothing may stay in flight
+        self.look_for_nonfinite()
         self.state.train_seconds += window.pause()
         if stop_signal:
             path = self.save_checkpoint() if final_save else None
@@ -179,6 +189,12 @@ class Runner:
         self.check_replicas_agree()
         final = self.evaluate()
         return self.summary(final, wall_s=time.perf_counter() - started)
+
+    def _log_startup(self) -> None:
+        startup.mark("first step")
+        line = startup.summary()
+        if line and self.env.is_main:
+            log.info("start-up: %s", line)
 
     def _epoch_batches(self) -> Iterator:
         """This epoch's loader iterator, starting where the (resumed) run stands in it."""
@@ -194,10 +210,11 @@ class Runner:
     def to_device(self, batch: Any) -> Any:
         return to_device(batch, self.device, self.cfg.channels_last)
 
-    def train_step(self, micro_batches: list) -> tuple[torch.Tensor | None, Verdict]:
+    def train_step(self, micro_batches: list) -> tuple[torch.Tensor, str | None]:
         """One optimizer step over grad_accum micro-batches. Returns this rank's [loss sum, item
-        count, train sums...] for the log window (on device; None when the update was skipped)
-        and what every rank learned at this step."""
+        count, train sums...] for the log window (on the device; zeros when the update was
+        dropped) and the stop signal every rank agreed on a step earlier. Reads nothing that the
+        device computed: the step never waits for it."""
         if not self.module.training:  # only after an evaluation: train() walks every module
             self.model.train()
         counts = [self.task.count(batch) for batch in micro_batches]
@@ -217,27 +234,37 @@ class Runner:
             for position, name in enumerate(self.task.train_sums, start=2):
                 totals[position] += loss.sums[name]
         totals[1] += sum(counts)
-        previous = self.agreement.exchange(torch.isfinite(totals[0]))
-        if self._grads_finite():
-            verdict = previous
-            if verdict.nonfinite_loss_ranks:  # a loss went bad alone one step ago
-                self._on_nonfinite(verdict.nonfinite_loss_ranks, step=self.state.step, kept=True)
-            self.precision.step(self.optimizer, self.module.parameters(), self.cfg.clip_grad_norm)
-            if self.ema is not None:
-                self.ema.update_parameters(self.module)
-            kept: torch.Tensor | None = totals
-        else:
-            # Every rank is here (same gradients): wait for this step's exchange to name the
-            # ranks whose loss went bad, then stop or skip the update.
-            current = self.agreement.collect()
-            verdict = Verdict(previous.stop_signal or current.stop_signal,
-                              current.nonfinite_loss_ranks)  # fmt: skip
-            self._on_nonfinite(current.nonfinite_loss_ranks, step=self.state.step + 1, kept=False)
-            kept = None
+        agreed_signal = self.signals.exchange()
+        loss_finite, grads_finite = torch.isfinite(totals[0]), self._grads_finite()
+        applied = self._apply_update(grads_finite)
+        self.watch.add(self.state.step + 1, loss_finite, grads_finite,
+                       dropped=None if applied is None else ~applied)  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.samples_seen += self.global_batch_size
-        return kept, verdict
+        # A dropped update's loss is not averaged into train/loss.
+        kept = totals if applied is None else torch.where(applied, totals, 0.0)
+        return kept, agreed_signal
+
+    def _apply_update(self, grads_finite: torch.Tensor) -> torch.Tensor | None:
+        """The optimizer step (and the EMA's). With trainer.on_nonfinite=skip the update is
+        dropped where the gradients are non-finite; returns whether it was applied (a device
+        flag), or None under `stop` (nothing after it is ever saved)."""
+        clip = self.cfg.clip_grad_norm
+        if self.nonfinite.stops:
+            self.precision.step(self.optimizer, self.params, clip)
+            applied = None
+        elif self.skip_on_device:
+            self.precision.step(self.optimizer, self.params, clip,
+                                found_inf=(~grads_finite).float())  # fmt: skip
+            applied = grads_finite
+        else:  # an optimizer that cannot skip on the device: one host read per step
+            if bool(grads_finite):
+                self.precision.step(self.optimizer, self.params, clip)
+            applied = grads_finite
+        if self.ema is not None:
+            self.ema.update(self.module, applied)
+        return applied
 
     def _per_item(self, counts: list[Count]) -> float | torch.Tensor:
         """What each micro-batch's summed loss is multiplied by: world_size / the items of the
@@ -246,22 +273,33 @@ class Runner:
         follows from shapes (an int) is the same on every rank: no collective."""
         if all(isinstance(count, int) for count in counts):
             return 1.0 / max(sum(counts), 1)
+        # Counted on the host's copy of the batch; pinned, the copy waits for no device work.
         local = sum(torch.as_tensor(count, dtype=torch.float64) for count in counts)
-        total = all_reduce_sum(torch.as_tensor(local, device=self.device))  # one small collective
+        if self.device.type == "cuda":
+            local = local.pin_memory()
+        total = all_reduce_sum(local.to(self.device, non_blocking=True))  # one small collective
         return self.env.world_size / total.clamp_min(1.0)
 
-    def _grads_finite(self) -> bool:
-        """After DDP's synchronisation the gradients are identical on every rank, so this
-        rank's answer is every rank's, at the same step, with no exchange."""
+    def _grads_finite(self) -> torch.Tensor:
+        """A device flag. After DDP's synchronisation the gradients are identical on every
+        rank, so this rank's answer is every rank's, at the same step, with no exchange."""
         if self.precision.skips_nonfinite_grads:  # amp's GradScaler skips inf gradients itself
-            return True
+            return self._true
         grads = [p.grad for p in self.params if p.grad is not None]
-        return not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+        if not grads:
+            return self._true
+        return torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
 
-    def _on_nonfinite(self, loss_ranks: list[int], step: int, kept: bool) -> None:
-        self.state.nonfinite_skipped += self.nonfinite.handle(
-            loss_ranks, step, self.state.epoch, kept, self.checkpointer.last_path
-        )
+    def look_for_nonfinite(self) -> None:
+        """Collective, before anything is logged or saved: a non-finite loss or gradient since
+        the last look stops the run (nothing after it is written) or is reported as skipped."""
+        report = self.watch.look()
+        if report is not None:
+            self.nonfinite.handle(report, self.epoch_of, self.checkpointer.last_path)
+            self.state.nonfinite_skipped += report.dropped
+
+    def epoch_of(self, step: int) -> int:
+        return (step - 1) // max(self.steps_per_epoch, 1)
 
     def epochs_done(self) -> float:
         return round(self.state.step / max(self.steps_per_epoch, 1), 4)
@@ -292,7 +330,8 @@ class Runner:
 
     # --- sinks ------------------------------------------------------------------------------
     def log_train(self, window: _Window, lr: float) -> None:
-        # The one host sync of a logging step: the window's sums over all ranks, per item.
+        self.look_for_nonfinite()
+        # The window's sums over all ranks, per item: the logging step's read of the device.
         loss, count, *sums = all_reduce_sum(window.totals.clone()).tolist()
         per_item = {f"train/{name}": value / max(count, 1)
                     for name, value in zip(self.task.train_sums, sums, strict=True)}  # fmt: skip
@@ -312,12 +351,15 @@ class Runner:
         self.sink.log(event)
 
     def log_eval(self) -> dict[str, float]:
+        self.look_for_nonfinite()
         metrics = self.evaluate()
         self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
         return metrics
 
     # --- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
+        self.look_for_nonfinite()
+
         def shared() -> dict[str, Any]:  # built on rank 0 only
             states = {key: None if item is None else item.state_dict()
                       for key, item in self.shared.items()}  # fmt: skip

@@ -1,10 +1,15 @@
-"""Stopping together: signals (preemption, Ctrl-C) and non-finite losses, agreed by all ranks.
+"""Stopping together: signals (preemption, Ctrl-C) and non-finite values, agreed by all ranks.
 
 A signal may reach one rank, all of them, or the launcher, at any moment. Each rank only records
-it; every step each rank adds its flags to a small asynchronous all-reduce, so all ranks see the
-same verdict at the same step: stop there with a checkpoint, or skip / stop on a non-finite loss.
-Non-finite gradients need no exchange: after DDP's synchronisation they are identical on every
-rank, so each rank's own check agrees with all the others at that very step.
+it; every step each rank adds it to a small asynchronous all-reduce on the CPU
+(`SignalExchange`), so all ranks stop at the same step, with a checkpoint.
+
+A non-finite loss or gradient never makes a step wait for the device: it is recorded on the
+device (`NonFiniteWatch`) and read where the host reads anyway (logging steps, checkpoint saves,
+the end), where every rank learns the same thing at the same step. With `stop` nothing is
+logged or saved after it; with `skip` the update of that step was already dropped on the device
+(the optimizer's `found_inf`, as GradScaler does for amp). Non-finite gradients need no
+exchange: after DDP's synchronisation they are identical on every rank.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -20,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from framework.context import DistEnv
+from framework.distributed import all_reduce_sum
 from framework.outcomes import NonFiniteLoss
 
 log = logging.getLogger("framework")
@@ -72,73 +79,119 @@ class StopRequests:
             raise KeyboardInterrupt
 
 
-@dataclass
-class Verdict:
-    """What every rank learned, identically, about one step."""
+class SignalExchange:
+    """Every step each rank starts an asynchronous all-reduce of the stop signal it received
+    (0: none) and reads the one started a step earlier: all ranks learn of a signal at the same
+    step, and no step waits for the exchange (a small gloo all-reduce costs ~1 ms of latency
+    here, as much as a whole step of a tiny model). The flags start on the host and travel on
+    the CPU (a gloo group, also when training uses NCCL): reading them waits for no device
+    work."""
 
-    stop_signal: str | None = None  # a stop signal reached some rank
-    nonfinite_loss_ranks: list[int] = field(default_factory=list)
-
-
-class StepAgreement:
-    """Each step starts an asynchronous all-reduce of every rank's [stop signal number, loss is
-    non-finite] and reads the one started a step earlier: all ranks learn the same thing at the
-    same step, and no step waits for this exchange (a small gloo all-reduce costs ~1 ms of
-    latency here, as much as a whole step of a tiny model)."""
-
-    def __init__(self, env: DistEnv, device: torch.device, requests: StopRequests) -> None:
-        self.env, self.requests = env, requests
-        self.buffers = [torch.zeros(2, env.world_size, dtype=torch.int32, device=device)
-                        for _ in range(2)]  # fmt: skip  (one in flight, one being filled)
-        self.turn = 0
+    def __init__(self, env: DistEnv, requests: StopRequests,
+                 group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+        self.env, self.requests, self.group = env, requests, group
+        self.buffers = [torch.zeros(env.world_size, dtype=torch.int32) for _ in range(2)]
+        self.turn = 0  # one buffer in flight, one being filled
         self.pending: tuple[dist.Work | None, torch.Tensor] | None = None
 
-    def exchange(self, loss_finite: torch.Tensor) -> Verdict:
-        """Collective: start this step's exchange; return the previous step's verdict."""
-        verdict = self.collect()
+    def exchange(self) -> str | None:
+        """Collective: start this step's exchange; return the signal agreed a step earlier."""
+        agreed = self.collect()
         flags = self.buffers[self.turn]
         self.turn ^= 1
         flags.zero_()
         name = self.requests.signal_name
-        flags[0, self.env.rank] = getattr(signal, name) if name else 0
-        flags[1, self.env.rank] = (~loss_finite).int()  # on device: no host sync
-        work = dist.all_reduce(flags, async_op=True) if self.env.distributed else None
+        flags[self.env.rank] = getattr(signal, name) if name else 0
+        work = (dist.all_reduce(flags, group=self.group, async_op=True) if self.env.distributed
+                else None)  # fmt: skip
         self.pending = (work, flags)
-        return verdict
+        return agreed
 
-    def collect(self) -> Verdict:
+    def collect(self) -> str | None:
         """Wait for the exchange in flight, if any, and decode it (also before the run ends)."""
         if self.pending is None:
-            return Verdict()
+            return None
         work, flags = self.pending
         self.pending = None
         if work is not None:
             work.wait()
-        signals, losses = flags.tolist()
-        received = [signal.Signals(number).name for number in signals if number]
-        return Verdict(
-            stop_signal=(self.requests.signal_name or received[0]) if received else None,
-            nonfinite_loss_ranks=[rank for rank, bad in enumerate(losses) if bad],
+        received = [signal.Signals(number).name for number in flags.tolist() if number]
+        return (self.requests.signal_name or received[0]) if received else None
+
+
+@dataclass
+class NonFiniteReport:
+    """The first step since the last look at which a loss or the gradients went non-finite."""
+
+    step: int  # 1-based optimizer step
+    loss_ranks: list[int]  # ranks whose loss was non-finite at that step
+    gradients: bool  # the (synchronised, identical) gradients were non-finite at that step
+    dropped: int  # updates dropped since the last look (trainer.on_nonfinite=skip)
+    last_step: int  # the last such step since the last look
+
+
+class NonFiniteWatch:
+    """Records, on the device, the first and last steps at which this rank's loss or the
+    gradients went non-finite, and how many updates were dropped; the host reads it only where
+    it looks anyway (logging steps, checkpoint saves, the end), in one all-reduce of every
+    rank's record. A loss may go bad on one rank alone; the gradients, synchronised by DDP, go
+    bad on every rank at once."""
+
+    FIELDS = 5  # first bad step, last bad step, loss bad then, gradients bad then, dropped
+
+    def __init__(self, env: DistEnv, device: torch.device) -> None:
+        self.env = env
+        self.record = torch.zeros(self.FIELDS, dtype=torch.int64, device=device)
+
+    def add(self, step: int, loss_finite: torch.Tensor, grads_finite: torch.Tensor,
+            dropped: torch.Tensor | None) -> None:  # fmt: skip
+        """Step `step` (1-based): all on the device, no host read."""
+        record, bad = self.record, ~(loss_finite & grads_finite)
+        first = (record[0] == 0) & bad
+        record[0] = torch.where(first, step, record[0])
+        record[1] = torch.where(bad, step, record[1])
+        record[2] = torch.where(first, (~loss_finite).long(), record[2])
+        record[3] = torch.where(first, (~grads_finite).long(), record[3])
+        if dropped is not None:
+            record[4] += dropped.long()
+
+    def look(self) -> NonFiniteReport | None:
+        """Collective (every rank at the same step): what happened since the last look."""
+        rows = torch.zeros(self.env.world_size, self.FIELDS, dtype=torch.int64,
+                           device=self.record.device)  # fmt: skip
+        rows[self.env.rank] = self.record
+        rows = all_reduce_sum(rows).tolist() if self.env.distributed else rows.tolist()
+        self.record.zero_()
+        firsts = [row[0] for row in rows if row[0]]
+        if not firsts:
+            return None
+        step = min(firsts)
+        at_step = [row for row in rows if row[0] == step]
+        return NonFiniteReport(
+            step=step,
+            loss_ranks=[rank for rank, row in enumerate(rows) if row[0] == step and row[2]],
+            gradients=any(row[3] for row in at_step),
+            dropped=max(row[4] for row in rows),  # the same on every rank: gradients decide
+            last_step=max(row[1] for row in rows),
         )
 
 
 class NonFinitePolicy:
     """trainer.on_nonfinite: a non-finite loss or gradient, seen by every rank at the same step,
-    stops the run there (saving nothing) or drops that update."""
+    stops the run (saving nothing after it) or drops that update."""
 
     def __init__(self, policy: str) -> None:
         self.stops = policy == "stop"
 
-    def handle(self, loss_ranks: list[int], step: int, epoch: int, kept: bool,
-               last_checkpoint: Path | None) -> bool:  # fmt: skip
-        """Raise NonFiniteLoss or warn; `kept`: only the loss of `step` went bad, its gradients
-        were finite and its update was applied. Returns whether the update was dropped."""
-        if loss_ranks:
-            what = f"loss on rank(s) {', '.join(map(str, loss_ranks))}"
+    def handle(self, report: NonFiniteReport, epoch_of: Callable[[int], int],
+               last_checkpoint: Path | None) -> None:  # fmt: skip
+        """Raise NonFiniteLoss (stop) or warn (skip)."""
+        if report.loss_ranks:
+            what = f"loss on rank(s) {', '.join(map(str, report.loss_ranks))}"
         else:
             what = "gradients (identical on every rank)"
-        where = f"non-finite {what} at step {step} (epoch {epoch})"
-        if kept:
+        where = f"non-finite {what} at step {report.step} (epoch {epoch_of(report.step)})"
+        if not report.gradients:
             where += " with finite gradients (that update was applied)"
         if self.stops:
             saved = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
@@ -147,6 +200,7 @@ class NonFinitePolicy:
                 f"{where}: stopped without saving; {saved}. Lower optimizer.lr, set "
                 "trainer.clip_grad_norm, or set trainer.on_nonfinite=skip to skip such steps"
             )
-        log.warning("%s: %s (trainer.on_nonfinite=skip)", where,
-                    "continuing" if kept else "update skipped")  # fmt: skip
-        return not kept
+        more = (f"; {report.dropped} updates dropped in steps {report.step}-{report.last_step}"
+                if report.dropped > 1 else "")  # fmt: skip
+        log.warning("%s: %s (trainer.on_nonfinite=skip)%s", where,
+                    "update skipped" if report.gradients else "continuing", more)  # fmt: skip

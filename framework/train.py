@@ -11,17 +11,19 @@ import sys
 from pathlib import Path
 
 import hydra
+import hydra._internal.utils as hydra_internals
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from framework import context
+from framework import context, startup
 from framework.config import CONF_DIR, validate
-from framework.launch import launch
-from framework.launch.submitit import run_follower
-from framework.launch.torchrun import run_torchrun_rank
+from framework.launch import forkserver, launch
 from framework.outcomes import (
     ConfigError,
+    ExitCode,
     JobFailed,
     NonFiniteLoss,
     Rejected,
@@ -37,11 +39,14 @@ from framework.targets import check_command_line
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_app(cfg: DictConfig) -> float | None:
     """Hydra's task function: validated, resolved once, then handed to the launcher."""
+    startup.mark("compose")
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep_job = hydra_cfg.mode == RunMode.MULTIRUN
     here = context.current()
     if here.is_follower and isinstance(here, context.SubmititTask):
+        from framework.launch.submitit import run_follower  # a rank (framework/launch docstring)
+
         run_follower(cfg, run_dir)
         return None
     try:
@@ -50,6 +55,8 @@ def hydra_app(cfg: DictConfig) -> float | None:
             join_sweep(cfg, RunDir(run_dir), hydra_cfg)
         OmegaConf.resolve(cfg)
         if isinstance(here, context.TorchElastic):
+            from framework.launch.torchrun import run_torchrun_rank  # a rank, as above
+
             summary = run_torchrun_rank(cfg, run_dir)
         else:
             summary = launch(cfg, run_dir)
@@ -75,8 +82,37 @@ def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:
         cfg.logger.run_name = cfg.logger.run_name or f"{job.num}-{job.override_dirname}"[:128]
 
 
+# What Hydra finds wrong in a command line: an option that does not exist, a value of the wrong
+# type, an override it cannot parse.
+HYDRA_CONFIG_MISTAKES = (ConfigCompositionException, MissingConfigException,
+                         OverrideParseException)  # fmt: skip
+_hydra_run_and_report = hydra_internals.run_and_report
+
+
+def run_and_report(func):
+    """Hydra's run_and_report (which prints an error and exits 1), except that Hydra's config
+    mistakes exit with the code of every config mistake (2). Hydra 1.3 offers no hook for it;
+    hydra-core is pinned (1.3.8)."""
+
+    def config_mistakes_exit_2():
+        try:
+            return func()
+        except HYDRA_CONFIG_MISTAKES as error:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(error, file=sys.stderr)
+            if isinstance(error.__cause__, OmegaConfBaseException):
+                print(error.__cause__, file=sys.stderr)
+            raise SystemExit(ExitCode.CONFIG_REJECTED) from None
+
+    return _hydra_run_and_report(config_mistakes_exit_2)
+
+
 def main() -> None:
+    startup.mark("imports")
     here = context.current()
+    if isinstance(here, context.Standalone) and forkserver.will_start_local_ranks(sys.argv[1:]):
+        forkserver.warm_up()  # imports the training stack while Hydra composes the config
     # Hydra instantiates its own node (callbacks, launcher, sweeper, logging factories) before
     # any callback of ours can look at it: check the command line before Hydra starts.
     try:
@@ -92,6 +128,7 @@ def main() -> None:
         # no record of the job is written.
         cleanup_dir = throwaway_dir()
         sys.argv += [f"hydra.run.dir={cleanup_dir}", "hydra.callbacks.validate.output_subdir=null"]
+    hydra_internals.run_and_report = run_and_report
     try:
         hydra_app()
     finally:

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import CONF_DIR, validate
+from framework.launch import forkserver
 
 REPO = Path(__file__).resolve().parent.parent
 DIST_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -80,6 +81,14 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None
     )
 
 
+def pytest_configure(config) -> None:
+    """The fork server the tests' ranks start from: its imports run while pytest collects, in
+    an environment outside any job."""
+    for name in DIST_ENV_VARS:
+        os.environ.pop(name, None)
+    forkserver.warm_up()
+
+
 @pytest.fixture(autouse=True)
 def clean_distributed_env(monkeypatch):
     """Each test starts outside any job and leaves no process group behind."""
@@ -90,18 +99,32 @@ def clean_distributed_env(monkeypatch):
         dist.destroy_process_group()
 
 
-def spawn_ranks(fn, *args, world_size: int = 2) -> None:
-    """Run fn(rank, world_size, *args) in world_size processes joined by a real gloo group.
+def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
+    """fn(rank, *args) in nprocs processes, started the way `train` starts its ranks: forked
+    from the fork server that has imported the training stack, in this process's environment.
     Assertions inside fn fail the test (the child's traceback is re-raised here)."""
     import torch.multiprocessing as mp
 
+    forkserver.warm_up()
+    mp.start_processes(_in_environ, args=(dict(os.environ), fn, args), nprocs=nprocs,
+                       start_method=forkserver.START_METHOD)  # fmt: skip
+
+
+def _in_environ(rank: int, environ: dict[str, str], fn, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(rank, *args)
+
+
+def spawn_ranks(fn, *args, world_size: int = 2) -> None:
+    """Run fn(rank, world_size, *args) in world_size processes joined by a real gloo group."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.start_processes(_rank_entry, args=(fn, world_size, store.port, args), nprocs=world_size,
-                       start_method="spawn")  # fmt: skip
+    start_ranks(_rank_entry, (fn, world_size, store.port, args), nprocs=world_size)
 
 
 def _rank_entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     import torch
+    import torch._dynamo  # noqa: F401  (before any process group, as framework.rank does it)
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -113,15 +136,12 @@ def _rank_entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
 
 
 def train_many(jobs: list[tuple[DictConfig, Path]], world_size: int = 2) -> list[dict]:
-    """Train several configs in one pair of worker processes (saves the seconds each new
-    process spends importing torch). Each run gets its own process group and run dir."""
-    import torch.multiprocessing as mp
-
+    """Train several configs in one set of rank processes. Each run gets its own process group
+    and run dir."""
     for cfg, run_dir in jobs:
         prepare_run(cfg, run_dir)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.start_processes(_train_many_entry, args=(jobs, world_size, store.port), nprocs=world_size,
-                       start_method="spawn")  # fmt: skip
+    start_ranks(_train_many_entry, (jobs, world_size, store.port), nprocs=world_size)
     return [json.loads((run_dir / "summary.json").read_text()) for _, run_dir in jobs]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 
 import torch
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from framework import context
@@ -25,6 +26,27 @@ def default_ranks() -> int:
     return torch.cuda.device_count() or 2
 
 
+def config_groups() -> str:
+    """The groups a user picks options from, one line each (`train --help`): Hydra's own list
+    would also show the internal schema/* groups that the options extend."""
+    loader = GlobalHydra.instance().config_loader()
+    lines: list[str] = []
+
+    def walk(parent: str) -> None:
+        for group in sorted(loader.list_groups(parent)):
+            path = f"{parent}/{group}" if parent else group
+            if path in ("hydra", "schema"):
+                continue
+            options = loader.get_group_options(path)
+            if options:
+                lines.append(f"{path}: {', '.join(options)}")
+            walk(path)
+
+    walk("")
+    return "\n".join(lines)
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("default_ranks", default_ranks, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)

@@ -191,6 +191,9 @@ class SGDConfig(OptimizerConfig):
     weight_decay: float = 5e-4
     momentum: float = 0.9
     nesterov: bool = False
+    # torch's fused kernel: one kernel per step, and a non-finite step is dropped on the device
+    # (trainer.on_nonfinite=skip, amp's GradScaler) without reading it on the host.
+    fused: bool = True
 
 
 @dataclass
@@ -200,6 +203,7 @@ class AdamWConfig(OptimizerConfig):
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    fused: bool = True  # as SGDConfig.fused
 
 
 @dataclass

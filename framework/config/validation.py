@@ -8,6 +8,8 @@ shipped schema is checked like it.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +32,16 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# The framework's own sections: every key is a field of their schema (`+trainer.max_step=...`
+# would otherwise be accepted and never read).
+TYPED_SECTIONS = {"trainer": s.TrainerConfig, "checkpoint": s.CheckpointConfig,
+                  "dist": s.DistConfig, "dist.ddp": s.DDPConfig}  # fmt: skip
+
+
 def validate(cfg: DictConfig) -> None:
     """Check rules that span keys. Raises ConfigError with the setting and the fix."""
+    _check_nothing_missing(cfg)
+    _check_no_unknown_keys(cfg)
     check_targets(cfg)
     _check_trainer(cfg.trainer)
     _check_checkpoint(cfg.checkpoint)
@@ -48,6 +58,33 @@ def validate(cfg: DictConfig) -> None:
         for check in checks_for(OmegaConf.get_type(cfg[group])):
             check(cfg[group], cfg)
     resolve_objective(cfg.objective, task_directions(cfg))
+
+
+def _check_nothing_missing(cfg: DictConfig) -> None:
+    """A mandatory value (??? in a schema) that no option or override set."""
+    missing = sorted(key for key in OmegaConf.missing_keys(cfg) if not key.startswith("hydra"))
+    if not missing:
+        return
+    key = missing[0]
+    if key.endswith("_target_"):
+        group = key.rsplit(".", 1)[0]
+        raise ConfigError(
+            f"{key} is not set: the {group} option must name what builds it (`_target_: "
+            f"my_package.module.name` in its YAML file; see README: bring your own)"
+        )
+    raise ConfigError(f"{key} is not set: give it a value ({key}=...)")
+
+
+def _check_no_unknown_keys(cfg: DictConfig) -> None:
+    for section, schema in TYPED_SECTIONS.items():
+        known = [field.name for field in dataclasses.fields(schema)]
+        node = OmegaConf.select(cfg, section)
+        for key in node.keys() if node is not None else ():
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean {section}.{close[0]}?" if close else \
+                    f"the keys are {', '.join(known)}"  # fmt: skip
+                raise ConfigError(f"{section}.{key} is not a setting: {hint}")
 
 
 def task_directions(cfg: DictConfig) -> dict[str, str]:

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
+import tempfile
 import uuid
 from pathlib import Path
 
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from framework import context
-from framework.launch.worker import run_worker
 from framework.outcomes import Stopped, root_cause
 from framework.stopping import stop_signal_names
 
@@ -26,7 +28,10 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
     launcher = cfg.launcher
     # Restarted rounds re-create the store; sharing torchrun's store made gloo reconnects flaky.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The agent's own log folder (it would leave torchelastic_* in the temp dir): removed after.
+    agent_logs = tempfile.mkdtemp(prefix="framework-elastic-")
     config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=agent_logs),
         min_nodes=launcher.nnodes,
         max_nodes=launcher.nnodes,
         nproc_per_node=launcher.nproc_per_node,
@@ -36,6 +41,8 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         rdzv_configs={"rank": launcher.node_rank} if launcher.nnodes > 1 else {},
         max_restarts=launcher.max_restarts,
         monitor_interval=launcher.monitor_interval_s,
+        # Spawned: the agent passes each worker its variables on top of the environment the
+        # worker starts with, which for a fork server's child is the server's, not ours.
         start_method="spawn",
         # The agent passes these on to the ranks; by default it dies on SIGUSR1/2 instead and
         # leaves its workers running.
@@ -52,9 +59,14 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
             raise cause from None
     except SignalException as error:  # the agent waited for the ranks to save and stop
         raise Stopped(signal.Signals(error.sigval).name) from None
+    finally:
+        shutil.rmtree(agent_logs, ignore_errors=True)
 
 
 def _elastic_worker(cfg: DictConfig, run_dir: Path) -> None:
+    # Imported in the rank (the fork server has it loaded): the launcher never needs it.
+    from framework.launch.worker import run_worker
+
     # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra,
     # so this rank must not wait for another rank's config the way an external torchrun does.
     env = dataclasses.replace(context.current().dist_env(), source="elastic")

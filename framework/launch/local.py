@@ -20,8 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig
 
+from framework import startup
 from framework.context import DistEnv
-from framework.launch.worker import failure_messages, run_worker
+from framework.launch import forkserver
+from framework.launch.store import failure_messages
 from framework.outcomes import root_cause
 from framework.stopping import stop_signal_names
 
@@ -34,12 +36,14 @@ def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     # Port 0: the OS picks a free port, so concurrent runs and tests never collide.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    forkserver.warm_up()  # (already running when `train` started it)
     context = mp.start_processes(
         _local_worker,
-        args=(cfg, run_dir, store.port, nproc),
+        # The fork server's environment is the one it started with: the ranks get this one.
+        args=(cfg, run_dir, store.port, nproc, dict(os.environ)),
         nprocs=nproc,
         join=False,
-        start_method="spawn",
+        start_method=forkserver.START_METHOD,
     )
     signals = stop_signal_names(list(cfg.trainer.stop_signals))
     with _forward_signals(signals, [p.pid for p in context.processes]):
@@ -96,7 +100,14 @@ def _forward_signals(names: list[str], pids: list[int]) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int) -> None:
+def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int,
+                  environ: dict[str, str]) -> None:  # fmt: skip
+    os.environ.clear()
+    os.environ.update(environ)
+    startup.mark("start ranks")
+    # Imported in the rank (the fork server has it loaded): the launcher never needs it.
+    from framework.launch.worker import run_worker
+
     env = DistEnv(
         rank=local_rank, local_rank=local_rank, world_size=nproc, local_world_size=nproc,
         source="local",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -12,10 +11,9 @@ from typing import NoReturn
 from omegaconf import DictConfig
 
 from framework.context import DistEnv
+from framework.launch.store import tell_launcher
 from framework.outcomes import Outcome, Rejected, Stopped, announce, outcome_of
 from framework.rank import run
-
-FAILURE_KEY = "framework/failure"  # + /<rank>: a rank's one-line reason, in the launcher's store
 
 
 def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None,
@@ -40,16 +38,8 @@ def report(error: BaseException, env: DistEnv, timeout_s: float, store=None) -> 
     outcome = outcome_of(error, env.rank, timeout_s)
     announce(outcome)
     if outcome.reason and store is not None:
-        # The launcher names the root cause; with the reason, a sweep's summary can show it.
-        with contextlib.suppress(Exception):  # best effort: the store may be gone too
-            store.set(f"{FAILURE_KEY}/{env.rank}", outcome.reason)
+        tell_launcher(store, env.rank, outcome.reason)
     return outcome
-
-
-def failure_messages(store, world_size: int) -> dict[int, str]:
-    """What the ranks told the launcher's store before they failed."""
-    keys = {rank: f"{FAILURE_KEY}/{rank}" for rank in range(world_size)}
-    return {rank: store.get(key).decode() for rank, key in keys.items() if store.check([key])}
 
 
 def exit_now(code: int) -> NoReturn:

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from framework.context import DistEnv
 from framework.distributed import process_group
+from tests.conftest import start_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -33,8 +34,7 @@ def _blocked_collective(rank: int, port: int, results) -> None:
 def test_a_rank_stuck_in_a_collective_fails_after_dist_timeout_s_and_the_group_is_destroyed():
     results = mp.Manager().dict()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.start_processes(_blocked_collective, args=(store.port, results), nprocs=2,
-                       start_method="spawn")  # fmt: skip
+    start_ranks(_blocked_collective, (store.port, results))
     seconds, message = results[0]
     assert 1.5 < seconds < 5.5, (seconds, message)  # the 2 s timeout, not the 10 min default
     assert results["initialized_after_0"] is False  # destroyed on the exception path

@@ -6,12 +6,11 @@ import os
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from framework.context import DistEnv
 from framework.outcomes import ReplicasDiverged
 from framework.rank import run
-from tests.conftest import TINY, make_cfg, prepare_run
+from tests.conftest import TINY, make_cfg, prepare_run, start_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -40,6 +39,5 @@ def _rank_with_its_own_lr(rank: int, port: int, run_dir, lrs: tuple[float, float
 @pytest.mark.parametrize("lrs", [(0.1, 0.1), (0.1, 0.2)], ids=["same-lr", "lr-per-rank"])
 def test_ranks_that_trained_with_different_learning_rates_are_caught_at_the_end(tmp_path, lrs):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.start_processes(_rank_with_its_own_lr, args=(store.port, tmp_path / "run", lrs),
-                       nprocs=2, start_method="spawn")  # fmt: skip
+    start_ranks(_rank_with_its_own_lr, (store.port, tmp_path / "run", lrs))
     assert (tmp_path / "run" / "summary.json").exists() == (lrs[0] == lrs[1])
