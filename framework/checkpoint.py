@@ -175,21 +175,50 @@ def step_files(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def write(directory: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
-    """Save atomically, point last.pt at it, then drop all but the newest `keep`."""
+def _save(directory: Path, step: int, payload: dict[str, Any], **sidecar: Any) -> Path:
+    """step_<N>.pt and its .json (size, sha256 and `sidecar`), each written atomically."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:08d}.pt"
     atomic_write(path, lambda file: torch.save(payload, file))
-    sidecar = {"format": FORMAT, "step": step, "bytes": path.stat().st_size,
-               "sha256": _sha256(path)}  # fmt: skip
-    atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(sidecar).encode()))
-    link = directory / f".last.pt.tmp-{os.getpid()}"
-    link.unlink(missing_ok=True)
-    os.symlink(path.name, link)
-    os.replace(link, directory / "last.pt")
+    record = {"format": FORMAT, "step": step, "bytes": path.stat().st_size,
+              "sha256": _sha256(path), **sidecar}  # fmt: skip
+    atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(record).encode()))
+    return path
+
+
+def _point(link: Path, target: str) -> None:
+    """Atomically make `link` a symlink to `target` (relative to its folder)."""
+    temporary = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    temporary.unlink(missing_ok=True)
+    os.symlink(target, temporary)
+    os.replace(temporary, link)
+
+
+def _drop(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    path.with_suffix(".json").unlink(missing_ok=True)
+
+
+def write(directory: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
+    """Save atomically, point last.pt at it, then drop all but the newest `keep`."""
+    path = _save(directory, step, payload)
+    _point(directory / "last.pt", path.name)
     for _, old in step_files(directory)[keep:]:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".json").unlink(missing_ok=True)
+        _drop(old)
+    return path
+
+
+def write_best(directory: Path, step: int, payload: dict[str, Any], score: float,
+               maximize: bool, keep: int) -> Path:  # fmt: skip
+    """Save into <directory>/best/ with its score, keep the `keep` best, and point best.pt at
+    the best of them."""
+    path = _save(directory / "best", step, payload, score=score)
+    ranked = sorted(step_files(directory / "best"), reverse=maximize,
+                    key=lambda found: json.loads(found[1].with_suffix(".json").read_text())
+                    ["score"])  # fmt: skip
+    for _, worse in ranked[keep:]:
+        _drop(worse)
+    _point(directory / "best.pt", f"best/{ranked[0][1].name}")
     return path
 
 
@@ -251,8 +280,10 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.cfg.every > 0 and step % self.cfg.every == 0
 
-    def save(self, step: int, shared: Callable[[], dict[str, Any]], rank_state: dict) -> Path:
-        """Collective: every rank calls it at the same step; only rank 0 writes."""
+    def save(self, step: int, shared: Callable[[], dict[str, Any]], rank_state: dict,
+             best: tuple[float, bool] | None = None) -> Path:  # fmt: skip
+        """Collective: every rank calls it at the same step; only rank 0 writes. `best`:
+        (score, maximize) saves among the best checkpoints (checkpoint.best) instead."""
         states = _gather_to_main(rank_state, self.env)
         if self.env.is_main:
             payload = {
@@ -265,9 +296,18 @@ class Checkpointer:
                 **shared(),
                 "ranks": states,
             }
+            if best is not None:
+                path = write_best(self.directory, step, payload, *best, keep=self.cfg.best)
+                log.info("best checkpoint: step %d (%.6g) -> %s", step, best[0], path)
+                return path
             self.last_path = write(self.directory, step, payload, self.cfg.keep)
             log.info("checkpoint: step %d -> %s", step, self.last_path)
         return self.directory / f"step_{step:08d}.pt"
+
+    def best_path(self) -> Path | None:
+        """best.pt, when checkpoint.best kept one."""
+        link = self.directory / "best.pt"
+        return link if self.cfg.best and link.exists() else None
 
     def find_resume(self) -> tuple[Path, dict[str, Any]] | None:
         """Collective: rank 0 picks the file (so every rank resumes from the same one), then

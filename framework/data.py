@@ -43,10 +43,32 @@ log = logging.getLogger("framework")
 class Splits:
     train: Dataset
     val: Dataset
+    test: Dataset | None = None  # a held-out test split, when the data option has one
     decode: Callable[[list[int]], str] | None = None  # token ids -> text, for text data
 
 
+def split_indices(count: int, val_fraction: float, test_fraction: float,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(train, val, test or None) indices of a seeded permutation: validation first, then the
+    test split, then training (so a test split takes nothing from validation)."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    val_count, test_count = round(count * val_fraction), round(count * test_fraction)
+    test = order[val_count:val_count + test_count] if test_count else None
+    return order[val_count + test_count:], order[:val_count], test
+
+
+def _tensor_splits(inputs: torch.Tensor, targets: torch.Tensor, val_fraction: float,
+                   test_fraction: float, seed: int) -> Splits:  # fmt: skip
+    train, val, test = split_indices(len(targets), val_fraction, test_fraction, seed)
+    return Splits(
+        train=TensorDataset(inputs[train], targets[train]),
+        val=TensorDataset(inputs[val], targets[val]),
+        test=None if test is None else TensorDataset(inputs[test], targets[test]),
+    )
+
+
 def digits(val_fraction: float = DigitsConfig.val_fraction,
+           test_fraction: float = DigitsConfig.test_fraction,
            split_seed: int = DigitsConfig.split_seed,
            normalize: bool = DigitsConfig.normalize, **_: object) -> Splits:  # fmt: skip
     """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes. Pixels in
@@ -58,16 +80,11 @@ def digits(val_fraction: float = DigitsConfig.val_fraction,
     if normalize:
         images = (images - 0.5) / 0.5
     labels = torch.tensor(bunch.target, dtype=torch.long)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
-    val_count = round(len(labels) * val_fraction)
-    val_idx, train_idx = order[:val_count], order[val_count:]
-    return Splits(
-        train=TensorDataset(images[train_idx], labels[train_idx]),
-        val=TensorDataset(images[val_idx], labels[val_idx]),
-    )
+    return _tensor_splits(images, labels, val_fraction, test_fraction, split_seed)
 
 
 def diabetes(val_fraction: float = DiabetesConfig.val_fraction,
+             test_fraction: float = DiabetesConfig.test_fraction,
              split_seed: int = DiabetesConfig.split_seed, **_: object) -> Splits:  # fmt: skip
     """scikit-learn's bundled diabetes data: 442 patients, 10 features, disease progression one
     year later (a real number). Features and target standardised with the training split's
@@ -76,17 +93,14 @@ def diabetes(val_fraction: float = DiabetesConfig.val_fraction,
 
     arrays = load_diabetes(return_X_y=True)
     features, target = (torch.tensor(array, dtype=torch.float32) for array in arrays)
-    order = torch.randperm(len(target), generator=torch.Generator().manual_seed(split_seed))
-    val_count = round(len(target) * val_fraction)
-    val_idx, train_idx = order[:val_count], order[val_count:]
+    train, _, _ = split_indices(len(target), val_fraction, test_fraction, split_seed)
 
     def standardise(values: torch.Tensor) -> torch.Tensor:
-        reference = values[train_idx]
+        reference = values[train]
         return (values - reference.mean(0)) / reference.std(0)
 
-    features, target = standardise(features), standardise(target)
-    return Splits(train=TensorDataset(features[train_idx], target[train_idx]),
-                  val=TensorDataset(features[val_idx], target[val_idx]))  # fmt: skip
+    return _tensor_splits(standardise(features), standardise(target), val_fraction,
+                          test_fraction, split_seed)  # fmt: skip
 
 
 # Python's help texts hold 9 characters outside ASCII; each becomes its ASCII look-alike, so the
@@ -269,12 +283,16 @@ class Loaders:
     train: DataLoader
     sampler: ResumableSampler
     val: DataLoader
+    test: DataLoader | None = None
 
 
 def build_loaders(splits: Splits, data_cfg, env: DistEnv, seed: int, device: torch.device,
                   collate_fn: Callable | None = None) -> Loaders:  # fmt: skip
     train, sampler = train_loader(splits.train, data_cfg, env, seed, device, collate_fn)
-    return Loaders(train, sampler, eval_loader(splits.val, data_cfg, env, device, collate_fn))
+    test = None if splits.test is None else eval_loader(splits.test, data_cfg, env, device,
+                                                        collate_fn)  # fmt: skip
+    return Loaders(train, sampler, eval_loader(splits.val, data_cfg, env, device, collate_fn),
+                   test)
 
 
 def train_loader(

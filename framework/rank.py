@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import random
 import secrets
@@ -27,8 +28,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework import startup
-from framework.checkpoint import Checkpointer, restore_rng, rng_state, training_settings
-from framework.config.validation import resolve_objective
+from framework.checkpoint import (
+    Checkpointer,
+    check_model_keys,
+    restore_rng,
+    rng_state,
+    training_settings,
+)
+from framework.checkpoint import read as read_checkpoint
+from framework.config.validation import resolve_monitor, resolve_objective
 from framework.context import DistEnv
 from framework.data import Loaders, Splits, build_loaders, to_device
 from framework.distributed import (
@@ -42,11 +50,11 @@ from framework.distributed import (
 )
 from framework.ema import EMA
 from framework.optim import build_optimizer, scaled_lr
-from framework.outcomes import ConfigError, NonFiniteLoss, Stopped
+from framework.outcomes import CheckpointError, ConfigError, NonFiniteLoss, Stopped
 from framework.plots import plot_run, save_image_grid, try_plot
 from framework.redaction import redacted_container
 from framework.rundir import RunDir
-from framework.runner import Model, Optimization, Runner, planned_steps
+from framework.runner import Model, Optimization, Runner, evaluate, planned_steps
 from framework.sinks import build_sink, setup_logging
 from framework.stopping import StopRequests
 from framework.tasks import Task, first_batch
@@ -104,6 +112,8 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
     model = build_model(cfg, env, device)
     check_task(task, model.module, splits, loaders, device)
     startup.mark("model")
+    if cfg.mode == "eval":
+        return evaluate_checkpoint(cfg, run, env, device, task, loaders, model)
     seed_everything(t.seed + env.rank)  # per-rank streams from here on (dropout, augmentation)
     optimization = build_optimization(cfg, env, device, model, global_batch_size, total_steps)
     if t.compile:
@@ -116,11 +126,11 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
     record = redacted_container(cfg)
     checkpointer = Checkpointer(cfg.checkpoint, run.checkpoints, env, training_settings(record))
     resumed = checkpointer.find_resume()
-    if resumed and resumed[1]["step"] >= total_steps and run.summary.exists():
+    if resumed and is_complete(resumed[1], total_steps) and run.summary.exists():
         log.info(
-            "%s is complete at step %d (the planned %d steps): nothing to do; raise "
-            "trainer.max_steps or trainer.max_epochs to train further", run.path,
-            resumed[1]["step"], total_steps,
+            "%s is complete at step %d (%s): nothing to do; raise trainer.max_steps or "
+            "trainer.max_epochs to train further", run.path, resumed[1]["step"],
+            resumed[1]["trainer"].get("stopped_early") or f"the planned {total_steps} steps",
         )  # fmt: skip
         return run.read_summary() if env.is_main else None
     if env.is_main:
@@ -134,6 +144,8 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
             task=task, model=model, loaders=loaders, optimization=optimization, sink=sink,
             checkpointer=checkpointer, stop_requests=requests,
             control_group=host_group(env, backend),
+            monitor=resolve_monitor(cfg.objective, task.directions()),
+            profile_dir=run.path / "profile",
         )  # fmt: skip
         if resumed:
             path, payload = resumed
@@ -155,10 +167,78 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
     return summary
 
 
+def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
+    """A checkpoint at the planned last step, or of a run that early stopping ended."""
+    return payload["step"] >= total_steps or bool(payload["trainer"].get("stopped_early"))
+
+
+# Settings that change which examples or weights an evaluation sees; loader settings do not.
+EVAL_MUST_MATCH = ("task.", "model.", "data.")
+EVAL_MAY_DIFFER = ("data.batch_size", "data.eval_batch_size", "data.num_workers",
+                   "data.pin_memory", "data.persistent_workers", "data.shuffle",
+                   "data.drop_last", "data.root", "data.download")  # fmt: skip
+
+
+def evaluate_checkpoint(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device,
+                        task: Task, loaders: Loaders, model: Model) -> dict[str, Any] | None:
+    """mode=eval: the checkpoint's weights (its EMA's with trainer.ema_decay) on eval.split,
+    reduced exactly over the ranks, into this run dir (inside the checkpoint's run dir)."""
+    split = cfg.eval.split
+    loader = loaders.val if split == "val" else loaders.test
+    if loader is None:
+        raise ConfigError(f"eval.split=test: data={cfg.data._target_} has no test split here "
+                          "(set data.test_fraction, for the data options that have one)")
+    path = Path(cfg.checkpoint.resume).expanduser()
+    payload = read_checkpoint(path)
+    _check_same_experiment(path, payload, redacted_container(cfg))
+    evaluated = model.ema.module if model.ema is not None and payload["ema"] else model.module
+    check_model_keys(path, payload["ema" if evaluated is not model.module else "model"],
+                     evaluated)  # fmt: skip
+    evaluated.load_state_dict(payload["ema" if evaluated is not model.module else "model"])
+    precision = instantiate(cfg.precision)(device=device)
+    metrics = evaluate(task, evaluated, loader, precision,
+                       lambda batch: to_device(batch, device, cfg.trainer.channels_last), split)
+    if not env.is_main:
+        return None
+    name, direction = resolve_objective(cfg.objective, task.directions())
+    summary = {"mode": "eval", "checkpoint": str(path.resolve()), "step": payload["step"],
+               "split": split, **metrics, "world_size": env.world_size,
+               "objective": name.replace("val/", f"{split}/", 1),
+               "objective_direction": direction}  # fmt: skip
+    run.save_config(redacted_container(cfg))
+    run.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    values = " ".join(f"{key}={value:.4f}" for key, value in metrics.items())
+    log.info("done: evaluated %s (step %d) on %s: %s run_dir=%s", path, payload["step"], split,
+             values, run.path)  # fmt: skip
+    return summary
+
+
+def _check_same_experiment(path: Path, payload: dict[str, Any], record: dict[str, Any]) -> None:
+    """The task, model and data settings must be the training run's: the keys differing are
+    named, with the overrides the run was started with (its .hydra/overrides.yaml)."""
+    now = training_settings(record)
+    differing = sorted(
+        key for key in payload["config"].keys() | now.keys()
+        if key.startswith(EVAL_MUST_MATCH) and not key.startswith(EVAL_MAY_DIFFER)
+        and payload["config"].get(key) != now.get(key)
+    )  # fmt: skip
+    if not differing:
+        return
+    shown = "; ".join(f"{key}: {payload['config'].get(key, '(absent)')} in the checkpoint, "
+                      f"{now.get(key, '(absent)')} now" for key in differing[:4])  # fmt: skip
+    overrides = next((folder / ".hydra" / "overrides.yaml" for folder in path.resolve().parents
+                      if (folder / ".hydra" / "overrides.yaml").exists()), None)  # fmt: skip
+    started = (f" (the run was started with: {' '.join(OmegaConf.load(overrides))})"
+               if overrides is not None else "")  # fmt: skip
+    raise CheckpointError(f"{path} was trained with other task, model or data settings: "
+                          f"{shown}. Evaluate with the training command's settings{started}")
+
+
 def final_line(summary: dict[str, Any], task: Task, run: RunDir) -> str:
     """The objective first, then the task's other metrics, then how the run went."""
     names = [summary["objective"], *(name for name in task.directions()
-                                     if name != summary["objective"])]  # fmt: skip
+                                     if name != summary["objective"]),
+             *(name for name in summary if name.startswith("test/") and name != "test/weights")]
     metrics = " ".join(f"{name}={summary[name]:.4f}" for name in names)
     return (f"{metrics} steps={summary['steps']} samples/s={summary['samples_per_s']:.0f} "
             f"wall={summary['wall_s']:.1f}s run_dir={run.path}")  # fmt: skip
@@ -266,6 +346,6 @@ def build_optimization(cfg: DictConfig, env: DistEnv, device: torch.device, mode
     comm.attach(model.train, model.module, grad_scale=precision.loss_scale)
     lr = scaled_lr(cfg.optimizer, global_batch_size)
     log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)
-    optimizer = build_optimizer(cfg.optimizer, model.module.parameters(), lr)
+    optimizer = build_optimizer(cfg.optimizer, model.module, lr)
     scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=total_steps)
     return Optimization(optimizer, scheduler, precision, comm)

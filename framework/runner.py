@@ -6,9 +6,10 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,14 +20,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from framework import startup
 from framework.checkpoint import Checkpointer, check_model_keys, restore_rng, rng_state
+from framework.checkpoint import read as read_checkpoint
 from framework.comm import Comm
 from framework.context import DistEnv
 from framework.data import Loaders, to_device
-from framework.distributed import all_reduce_sum
+from framework.distributed import all_reduce_sum, broadcast_object
 from framework.ema import EMA
 from framework.outcomes import ReplicasDiverged, Stopped
 from framework.precision import Precision
@@ -52,6 +55,10 @@ class TrainState:
     samples_seen: int = 0
     train_seconds: float = 0.0
     nonfinite_skipped: int = 0
+    best: list[list[float]] = dataclasses.field(default_factory=list)  # [score, step], best first
+    best_score: float | None = None  # the monitored metric's best so far (early stopping)
+    stale_evaluations: int = 0  # evaluations since it last improved by min_delta
+    stopped_early: str | None = None  # why, once early stopping ended the run
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,6 +113,8 @@ class Runner:
         checkpointer: Checkpointer,
         stop_requests: StopRequests,
         control_group: dist.ProcessGroup | None = None,  # a CPU (gloo) group for stop signals
+        monitor: tuple[str, str] = ("val/loss", "min"),  # the metric best/early stopping follow
+        profile_dir: Path | None = None,  # where trainer.profile_steps' trace goes (rank 0)
     ) -> None:
         self.env, self.device, self.cfg, self.task = env, device, trainer, task
         self.model, self.module, self.ema = model.train, model.module, model.ema
@@ -113,7 +122,10 @@ class Runner:
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
         self.precision, self.comm = optimization.precision, optimization.comm
         self.train_loader, self.train_sampler = loaders.train, loaders.sampler
-        self.val_loader = loaders.val
+        self.val_loader, self.test_loader = loaders.val, loaders.test
+        self.monitor, self.maximize = monitor[0], monitor[1] == "max"
+        self.profiler = _StepProfiler(trainer.profile_steps, profile_dir if env.is_main else None)
+        self._last_evaluation: tuple[int, dict[str, float]] | None = None
         self.sink, self.checkpointer = sink, checkpointer
         self.global_batch_size = loaders.train.batch_size * env.world_size * trainer.grad_accum
         self.steps_per_epoch = len(loaders.train) // trainer.grad_accum
@@ -140,7 +152,25 @@ class Runner:
 
     # --- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
+        """Train to the planned step (or a stop), save, evaluate, test; returns the summary."""
         started = time.perf_counter()
+        stop_signal = self._train_loop()
+        self.signals.collect()  # the last step's exchange: nothing may stay in flight
+        self.look_for_nonfinite()
+        self.state.train_seconds += self.window.pause()
+        final_save = self.checkpointer.cfg.final
+        if stop_signal:
+            path = self.save_checkpoint() if final_save else None
+            raise Stopped(stop_signal, self.state.step, path and str(path))
+        if final_save:
+            self.save_checkpoint()
+        self.check_replicas_agree()
+        final = self.final_evaluation()
+        return self.summary({**final, **self.test()}, wall_s=time.perf_counter() - started)
+
+    def _train_loop(self) -> str | None:
+        """Steps until the plan is done, every rank agreed on a stop signal (returned), or
+        early stopping ended the run."""
         progress = tqdm(
             total=self.total_steps,
             initial=self.state.step,
@@ -152,11 +182,13 @@ class Runner:
         final_save = self.checkpointer.cfg.final
         first_step = self.state.step + 1
         stop_signal = None
-        while not self.finished() and stop_signal is None:
+        while not self.done() and stop_signal is None:
             for micro_batches in micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum):
                 lr = self.optimizer.param_groups[0]["lr"]
+                self.profiler.before(self.state.step + 1)
                 step_totals, agreed_signal = self.train_step(micro_batches)
                 self.state.step += 1
+                self.profiler.after(self.state.step)
                 if self.state.step == first_step:
                     self._log_startup()
                 window.add(step_totals)
@@ -167,9 +199,9 @@ class Runner:
                 if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0 and \
                         not self.finished():  # fmt: skip
                     window.pause()
-                    self.log_eval()
+                    self.after_evaluation(self.log_eval(), periodic=True)
                     window.resume()
-                ending = agreed_signal or self.finished()
+                ending = agreed_signal or self.done()
                 if self.checkpointer.due(self.state.step) and not (ending and final_save):
                     self.save_checkpoint()
                 if ending:
@@ -178,17 +210,9 @@ class Runner:
             else:
                 self.state.epoch += 1
         progress.close()
-        self.signals.collect()  # the last step's exchange: nothing may stay in flight
-        self.look_for_nonfinite()
-        self.state.train_seconds += window.pause()
-        if stop_signal:
-            path = self.save_checkpoint() if final_save else None
-            raise Stopped(stop_signal, self.state.step, path and str(path))
-        if final_save:
-            self.save_checkpoint()
-        self.check_replicas_agree()
-        final = self.evaluate()
-        return self.summary(final, wall_s=time.perf_counter() - started)
+        if self.state.stopped_early and self.env.is_main:
+            log.warning("%s; stopping at step %d", self.state.stopped_early, self.state.step)
+        return stop_signal
 
     def _log_startup(self) -> None:
         startup.mark("first step")
@@ -307,22 +331,70 @@ class Runner:
     def finished(self) -> bool:
         return self.state.step >= self.total_steps
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """The task's metrics over the whole validation set: every rank adds up the task's sum
-        states over its shard (no padding, no duplicates), then one all-reduce."""
-        model = self.evaluated_model()
-        model.eval()
-        names = self.task.states
-        totals = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        for batch in self.val_loader:
-            batch = self.to_device(batch)
-            with self.precision.forward_context():
-                states = self.task.evaluate(model, batch)
-            totals += torch.stack([torch.as_tensor(states[name], device=self.device).double()
-                                   for name in names])  # fmt: skip
-        reduced = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
-        return {f"val/{name}": value for name, value in self.task.compute(reduced).items()}
+    def done(self) -> bool:
+        return self.finished() or self.state.stopped_early is not None
+
+    def evaluate(self, loader: DataLoader | None = None, split: str = "val") -> dict[str, float]:
+        """The task's metrics over a whole split (`split/<metric>`), exact on any world size."""
+        return evaluate(self.task, self.evaluated_model(), loader or self.val_loader,
+                        self.precision, self.to_device, split)  # fmt: skip
+
+    def final_evaluation(self) -> dict[str, float]:
+        """The end's evaluation; the last periodic one if it was at this very step (early
+        stopping right after it), which is then not run or logged again."""
+        if self._last_evaluation is not None and self._last_evaluation[0] == self.state.step:
+            return self._last_evaluation[1]
+        metrics = self.evaluate()
+        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
+        self.after_evaluation(metrics, periodic=False)
+        return metrics
+
+    def after_evaluation(self, metrics: dict[str, float], periodic: bool) -> None:
+        """Keep a best checkpoint (checkpoint.best) and count toward early stopping. Every rank
+        has the same metrics (one all-reduce), so every rank decides the same."""
+        self._last_evaluation = (self.state.step, metrics)
+        score = metrics.get(self.monitor, math.nan)
+        if math.isnan(score):
+            return
+        keep = self.checkpointer.cfg.best
+        worst = self.state.best[-1][0] if len(self.state.best) >= keep > 0 else None
+        if keep and (worst is None or self._better(score, worst, 0.0)):
+            self.save_checkpoint(best=(score, self.maximize))
+            ranked = sorted([*self.state.best, [score, self.state.step]], reverse=self.maximize,
+                            key=lambda entry: entry[0])  # fmt: skip
+            self.state.best = ranked[:keep]
+        stopping = self.cfg.early_stopping
+        if not periodic or stopping["patience"] is None:
+            return
+        if self.state.best_score is None or self._better(score, self.state.best_score,
+                                                         stopping["min_delta"]):  # fmt: skip
+            self.state.best_score, self.state.stale_evaluations = score, 0
+            return
+        self.state.stale_evaluations += 1
+        if self.state.stale_evaluations >= stopping["patience"]:
+            self.state.stopped_early = (
+                f"early stopping: {self.monitor} did not improve by {stopping['min_delta']:g} "
+                f"for {stopping['patience']} evaluations (best {self.state.best_score:.6g})"
+            )
+
+    def _better(self, score: float, than: float, by: float) -> bool:
+        return score > than + by if self.maximize else score < than - by
+
+    def test(self) -> dict[str, float]:
+        """test/* metrics, when the data has a test split: with the best checkpoint's weights
+        (checkpoint.best), else with the final ones."""
+        if self.test_loader is None:
+            return {}
+        best = broadcast_object(self.checkpointer.best_path() if self.env.is_main else None)
+        if best is not None:
+            payload = read_checkpoint(best)
+            target = self.ema if self.ema is not None else self.module
+            target.load_state_dict(payload["ema" if self.ema is not None else "model"])
+        metrics = self.evaluate(self.test_loader, split="test")
+        source = f"best checkpoint ({best.resolve().name})" if best else "final weights"
+        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics,
+                       "test/weights": source})  # fmt: skip
+        return {**metrics, "test/weights": source}
 
     def evaluated_model(self) -> nn.Module:
         """The weights evaluation uses: the EMA's when trainer.ema_decay is set."""
@@ -357,7 +429,7 @@ class Runner:
         return metrics
 
     # --- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, best: tuple[float, bool] | None = None) -> Path:
         self.look_for_nonfinite()
 
         def shared() -> dict[str, Any]:  # built on rank 0 only
@@ -366,7 +438,7 @@ class Runner:
             return {**states, "steps_per_epoch": self.steps_per_epoch}
 
         per_rank = {key: item.state_dict() for key, item in self.per_rank.items()}
-        return self.checkpointer.save(self.state.step, shared, per_rank)
+        return self.checkpointer.save(self.state.step, shared, per_rank, best=best)
 
     def load_checkpoint(self, path: Path, payload: dict[str, Any]) -> None:
         """Restore every registered state; the RNG streams and the loader's position apply
@@ -411,7 +483,8 @@ class Runner:
             **self.precision.metrics(),
             **self.comm.metrics(),
         }
-        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **final})
+        if self.state.stopped_early:
+            summary["stopped_early"] = self.state.stopped_early
         return summary
 
 
@@ -455,6 +528,31 @@ class _Window:
         self.steps = state["steps"]
 
 
+class _StepProfiler:
+    """trainer.profile_steps = [first, last]: a torch.profiler trace of those optimizer steps,
+    written by rank 0 into <run dir>/profile/ (TensorBoard's profiler plugin and Perfetto read
+    it). Off: two integer comparisons per step."""
+
+    def __init__(self, steps: list[int], directory: Path | None) -> None:
+        self.first, self.last = (steps[0], steps[-1]) if steps and directory else (0, 0)
+        self.directory, self.profile = directory, None
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profile = torch.profiler.profile(activities=activities)
+            self.profile.__enter__()
+
+    def after(self, step: int) -> None:
+        if step == self.last and self.profile is not None:
+            self.profile.__exit__(None, None, None)
+            torch.profiler.tensorboard_trace_handler(str(self.directory))(self.profile)
+            log.info("profile of steps %d-%d: %s", self.first, self.last, self.directory)
+            self.profile = None
+
+
 class _RNGStreams:
     """This process's python, numpy, torch and CUDA streams. A restored state is applied only
     after the next epoch's iterator exists: building it draws from the global stream."""
@@ -494,6 +592,25 @@ class _LoaderPosition:
 
     def load_state_dict(self, state: torch.Tensor) -> None:  # type: ignore[override]
         self._restored = state
+
+
+@torch.no_grad()
+def evaluate(task: Task, model: nn.Module, loader: DataLoader, precision: Precision,
+             to_device: Callable[[Any], Any], split: str = "val") -> dict[str, float]:
+    """The task's metrics over a whole split: every rank adds up the task's sum states over its
+    shard (no padding, no duplicates) on the device, then one all-reduce of all of them."""
+    model.eval()
+    names = task.states
+    device = next(model.parameters()).device
+    totals = torch.zeros(len(names), dtype=torch.float64, device=device)
+    for batch in loader:
+        batch = to_device(batch)
+        with precision.forward_context():
+            states = task.evaluate(model, batch)
+        totals += torch.stack([torch.as_tensor(states[name], device=device).double()
+                               for name in names])  # fmt: skip
+    reduced = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
+    return {f"{split}/{name}": value for name, value in task.compute(reduced).items()}
 
 
 def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:

@@ -101,18 +101,18 @@ def clean_distributed_env(monkeypatch):
 
 def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
     """fn(rank, *args) in nprocs processes, started the way `train` starts its ranks: forked
-    from the fork server that has imported the training stack, in this process's environment.
+    from the fork server that has imported the training stack, with this process's environment
+    and output streams.
     Assertions inside fn fail the test (the child's traceback is re-raised here)."""
     import torch.multiprocessing as mp
 
     forkserver.warm_up()
-    mp.start_processes(_in_environ, args=(dict(os.environ), fn, args), nprocs=nprocs,
-                       start_method=forkserver.START_METHOD)  # fmt: skip
+    mp.start_processes(_as_launched, args=(*forkserver.launcher_context(), fn, args),
+                       nprocs=nprocs, start_method=forkserver.START_METHOD)  # fmt: skip
 
 
-def _in_environ(rank: int, environ: dict[str, str], fn, args: tuple) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
+def _as_launched(rank: int, environ: dict[str, str], stdio: list[int], fn, args: tuple) -> None:
+    forkserver.adopt(environ, stdio)
     fn(rank, *args)
 
 

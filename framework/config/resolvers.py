@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 
 import torch
 from hydra.core.global_hydra import GlobalHydra
@@ -19,6 +20,18 @@ def run_stamp() -> str:
     if run_id is not None:
         return f"torchrun/{run_id}"
     return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
+
+
+def output_dir(mode: str, checkpoint: str, split: str) -> str:
+    """The run dir: outputs/<run_stamp>, or for mode=eval a folder of its own inside the run
+    dir of the evaluated checkpoint, <run dir>/eval/<split>-<date>_<time> (outputs/eval/... for
+    a checkpoint outside a run dir), so the training run's own files are never overwritten."""
+    if mode != "eval":
+        return f"outputs/{run_stamp()}"
+    stamp = f"{split}-{datetime.now():%Y-%m-%d_%H-%M-%S-%f}"
+    path = Path(checkpoint).expanduser().absolute()
+    run = next((folder.parent for folder in path.parents if folder.name == "checkpoints"), None)
+    return str(run / "eval" / stamp) if run is not None else f"outputs/eval/{stamp}"
 
 
 def default_ranks() -> int:
@@ -50,3 +63,4 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("default_ranks", default_ranks, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)
+    OmegaConf.register_new_resolver("output_dir", output_dir, use_cache=True, replace=True)

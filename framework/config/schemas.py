@@ -115,6 +115,7 @@ class DigitsConfig(DataConfig):
     in_channels: int = 1
     image_size: int = 8
     val_fraction: float = 0.2  # held-out share (360 images)
+    test_fraction: float = 0.0  # a further held-out test split (0: none)
     split_seed: int = 0
     normalize: bool = True  # pixels in [-1, 1]; false: [0, 1] (for task.reconstruction=bce)
 
@@ -128,6 +129,7 @@ class DiabetesConfig(DataConfig):
     num_features: int = 10
     num_outputs: int = 1
     val_fraction: float = 0.2  # held-out share (88 patients)
+    test_fraction: float = 0.0  # a further held-out test split (0: none)
     split_seed: int = 0
 
 
@@ -183,6 +185,10 @@ class OptimizerConfig:
     # lr is given for reference_batch_size; scale it to the actual global batch.
     lr_scaling: LrScaling = LrScaling.none
     reference_batch_size: int = 256
+    # Parameter groups: no weight decay on biases and normalisation weights (1-D parameters),
+    # and lr multipliers by parameter name (fnmatch patterns: {"head.*": 10.0}; first match).
+    no_weight_decay: bool = False
+    lr_multipliers: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -201,6 +207,7 @@ class AdamWConfig(OptimizerConfig):
     _target_: str = "torch.optim.AdamW"
     lr: float = 1e-3
     weight_decay: float = 0.01
+    no_weight_decay: bool = True  # decoupled decay is meant for weight matrices
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     fused: bool = True  # as SGDConfig.fused
@@ -444,6 +451,14 @@ class DistConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """Stop when the objective has not improved for `patience` evaluations (trainer.eval_every)."""
+
+    patience: int | None = None  # evaluations without improvement; null: never stop early
+    min_delta: float = 0.0  # an improvement smaller than this counts as none
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int | None = None  # optimizer steps; whichever of max_steps/max_epochs ends first
     max_epochs: int | None = 15
@@ -465,6 +480,10 @@ class TrainerConfig:
     # Signals that stop the run at the next step with a checkpoint (exit code 75, resumable).
     # SIGINT (Ctrl-C) always does.
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    # torch.profiler trace of these optimizer steps on rank 0 ([first, last], e.g. [10, 12]) into
+    # <run dir>/profile/ (TensorBoard's profiler plugin or Perfetto open it); []: off.
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -474,10 +493,24 @@ class CheckpointConfig:
     # auto: continue from the newest valid checkpoint in the run dir, if any; never; or a path.
     resume: str = "auto"
     final: bool = True  # also save when the run ends or stops on a signal / Ctrl-C
+    # Keep the best K checkpoints by the objective (at every evaluation) in checkpoints/best/,
+    # best.pt -> the best; 0: off. A data option with a test split is tested with the best.
+    best: int = 0
+
+
+@dataclass
+class EvalConfig:
+    """mode=eval: evaluate checkpoint.resume without training."""
+
+    split: str = "val"  # val | test (a data option with a test split)
 
 
 @dataclass
 class Config:
+    # train, or eval: evaluate the checkpoint checkpoint.resume on eval.split, writing into
+    # <its run dir>/eval/ (never over the training run's own files).
+    mode: str = "train"
+    eval: EvalConfig = field(default_factory=EvalConfig)
     task: Any = MISSING
     model: Any = MISSING
     data: Any = MISSING

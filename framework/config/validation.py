@@ -34,8 +34,9 @@ def require(condition: bool, message: str) -> None:
 
 # The framework's own sections: every key is a field of their schema (`+trainer.max_step=...`
 # would otherwise be accepted and never read).
-TYPED_SECTIONS = {"trainer": s.TrainerConfig, "checkpoint": s.CheckpointConfig,
-                  "dist": s.DistConfig, "dist.ddp": s.DDPConfig}  # fmt: skip
+TYPED_SECTIONS = {"trainer": s.TrainerConfig, "trainer.early_stopping": s.EarlyStoppingConfig,
+                  "checkpoint": s.CheckpointConfig, "dist": s.DistConfig,
+                  "dist.ddp": s.DDPConfig, "eval": s.EvalConfig}  # fmt: skip
 
 
 def validate(cfg: DictConfig) -> None:
@@ -43,6 +44,7 @@ def validate(cfg: DictConfig) -> None:
     _check_nothing_missing(cfg)
     _check_no_unknown_keys(cfg)
     check_targets(cfg)
+    _check_mode(cfg)
     _check_trainer(cfg.trainer)
     _check_checkpoint(cfg.checkpoint)
     nproc = cfg.launcher.nproc_per_node
@@ -51,6 +53,8 @@ def validate(cfg: DictConfig) -> None:
     require(cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size} must be >= 1")
     require(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers} must be >= 0")
     require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
+    for pattern, multiplier in (cfg.optimizer.get("lr_multipliers") or {}).items():
+        require(multiplier > 0, f"optimizer.lr_multipliers.{pattern}={multiplier} must be > 0")
     require(cfg.dist.backend in ("auto", "gloo", "nccl"),
             f"dist.backend={cfg.dist.backend!r} is invalid: choose auto, gloo or nccl")  # fmt: skip
     require(cfg.dist.timeout_s > 0, f"dist.timeout_s={cfg.dist.timeout_s} must be > 0")
@@ -102,6 +106,23 @@ def resolve_objective(objective: str | None, directions: dict[str, str]) -> tupl
     return name, known[name]
 
 
+def resolve_monitor(objective: str | None, directions: dict[str, str]) -> tuple[str, str]:
+    """What best checkpoints and early stopping follow: the objective when it is a validation
+    metric, else the task's main metric."""
+    name, direction = resolve_objective(objective, directions)
+    return (name, direction) if name in directions else next(iter(directions.items()))
+
+
+def _check_mode(cfg: DictConfig) -> None:
+    require(cfg.mode in ("train", "eval"), f"mode={cfg.mode!r} is invalid: choose train or eval")
+    require(cfg.eval.split in ("val", "test"),
+            f"eval.split={cfg.eval.split!r} is invalid: choose val or test")  # fmt: skip
+    if cfg.mode == "eval":
+        require(cfg.checkpoint.resume not in ("auto", "never"),
+                "mode=eval evaluates a checkpoint: set checkpoint.resume=<run dir>/checkpoints/"
+                "last.pt (or best.pt, or any step_*.pt)")  # fmt: skip
+
+
 def _check_trainer(t: DictConfig) -> None:
     require(t.grad_accum >= 1, f"trainer.grad_accum={t.grad_accum} is invalid: must be >= 1")
     require(t.log_every >= 1, f"trainer.log_every={t.log_every} is invalid: must be >= 1")
@@ -125,11 +146,24 @@ def _check_trainer(t: DictConfig) -> None:
         require(name in STOP_SIGNALS,
                 f"trainer.stop_signals: {name!r} is not a signal a run can stop on: "
                 f"choose from {', '.join(STOP_SIGNALS)}")  # fmt: skip
+    patience = t.early_stopping.patience
+    if patience is not None:
+        require(patience >= 1, f"trainer.early_stopping.patience={patience} must be >= 1 (or "
+                               "null: off)")  # fmt: skip
+        require(t.eval_every >= 1, "trainer.early_stopping.patience counts evaluations: set "
+                                   "trainer.eval_every (steps between evaluations) >= 1")
+    require(t.early_stopping.min_delta >= 0,
+            f"trainer.early_stopping.min_delta={t.early_stopping.min_delta} must be >= 0")
+    steps = list(t.profile_steps)
+    require(steps == [] or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
+            f"trainer.profile_steps={steps} is invalid: give [first, last] optimizer steps, "
+            "e.g. [10, 12], or [] (off)")  # fmt: skip
 
 
 def _check_checkpoint(ck: DictConfig) -> None:
     require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0 = final only)")
     require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
+    require(ck.best >= 0, f"checkpoint.best={ck.best} must be >= 0 (0: off)")
     if ck.resume not in ("auto", "never"):
         require(Path(ck.resume).expanduser().is_file(),
                 f"checkpoint.resume={ck.resume} is not a file: give a checkpoint file "

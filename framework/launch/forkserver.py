@@ -3,7 +3,8 @@ milliseconds instead of importing torch, torch._dynamo and the rest from scratch
 
 `train` starts it before Hydra composes the config, so its imports (about as long as one
 `import torch._dynamo`) run while this process composes; the ranks of launcher=local are then
-forked from it, and take the launcher's environment (the server's is the one it started with).
+forked from it, and take over the launcher's environment and output streams (the server's are
+the ones it started with).
 The launcher process itself never imports the training stack. (launcher=torchrun's agent spawns
 its workers: it sets their variables on top of the environment they start with.)
 """
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import sys
+from multiprocessing import reduction
 
 START_METHOD = "forkserver"
 # What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
@@ -33,3 +37,34 @@ def will_start_local_ranks(argv: list[str]) -> bool:
         return False
     return not any(arg in ("launcher=slurm", "launcher=slurm_local", "launcher=torchrun",
                            "launcher.nproc_per_node=1") for arg in argv)  # fmt: skip
+
+
+class _LaunchersFd:
+    """One of the launcher's file descriptors, sent to the rank as it is started (a fork
+    server's child would otherwise write to the server's stdout and stderr)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(duplicate) -> int:
+    return duplicate.detach()
+
+
+def launcher_context() -> tuple[dict[str, str], list[_LaunchersFd]]:
+    """What a rank takes over from the process that starts it: environment, stdout, stderr."""
+    return dict(os.environ), [_LaunchersFd(1), _LaunchersFd(2)]
+
+
+def adopt(environ: dict[str, str], stdio: list[int]) -> None:
+    """In the rank, first thing: the launcher's environment and output streams."""
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target, fd in zip((1, 2), stdio, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)

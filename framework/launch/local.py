@@ -39,8 +39,7 @@ def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
     forkserver.warm_up()  # (already running when `train` started it)
     context = mp.start_processes(
         _local_worker,
-        # The fork server's environment is the one it started with: the ranks get this one.
-        args=(cfg, run_dir, store.port, nproc, dict(os.environ)),
+        args=(cfg, run_dir, store.port, nproc, *forkserver.launcher_context()),
         nprocs=nproc,
         join=False,
         start_method=forkserver.START_METHOD,
@@ -101,9 +100,8 @@ def _forward_signals(names: list[str], pids: list[int]) -> Iterator[None]:
 
 
 def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int,
-                  environ: dict[str, str]) -> None:  # fmt: skip
-    os.environ.clear()
-    os.environ.update(environ)
+                  environ: dict[str, str], stdio: list[int]) -> None:  # fmt: skip
+    forkserver.adopt(environ, stdio)
     startup.mark("start ranks")
     # Imported in the rank (the fork server has it loaded): the launcher never needs it.
     from framework.launch.worker import run_worker
