@@ -274,7 +274,7 @@ class Checkpointer:
         self.cfg, self.env = cfg, env
         self.directory = directory
         self.settings = settings
-        self.wandb_run_id: str | None = None
+        self.logger_ids: dict[str, str] = {}  # a restart continues these logger runs
         self.last_path: Path | None = None
 
     def due(self, step: int) -> bool:
@@ -292,7 +292,7 @@ class Checkpointer:
                 "world_size": self.env.world_size,
                 "config_hash": settings_hash(self.settings),
                 "config": self.settings,
-                "wandb_run_id": self.wandb_run_id,
+                "logger_ids": self.logger_ids,
                 **shared(),
                 "ranks": states,
             }

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import random
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -135,9 +134,10 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
         return run.read_summary() if env.is_main else None
     if env.is_main:
         accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
-    checkpointer.wandb_run_id = (resumed and resumed[1]["wandb_run_id"]) or new_wandb_id()
-
-    sink = build_sink(env.is_main, cfg.logger, run, record, run_id=checkpointer.wandb_run_id)
+    sink = build_sink(env.is_main, cfg.logger, run, record,
+                      resume_ids=resumed[1]["logger_ids"] if resumed else {},
+                      resume_step=resumed[1]["step"] if resumed else 0)  # fmt: skip
+    checkpointer.logger_ids = sink.run_ids
     try:
         runner = Runner(
             env=env, device=device, trainer=SimpleNamespace(**OmegaConf.to_container(t)),
@@ -157,12 +157,14 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
         objective, direction = resolve_objective(cfg.objective, task.directions())
         summary.update(objective=objective, objective_direction=direction)
         sink.summary(summary)
+        if env.is_main:
+            made = write_artifacts(task, runner.evaluated_model(), splits, loaders, device, run)
+            try_plot(plot_run, run.path)
+            sink.add_files([*made, run.curves] if run.curves.exists() else made)
     finally:
         sink.close()
     if not env.is_main:
         return None
-    write_artifacts(task, runner.evaluated_model(), splits, loaders, device, run)
-    try_plot(plot_run, run.path)
     log.info("done: %s", final_line(summary, task, run))
     return summary
 
@@ -260,11 +262,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def new_wandb_id() -> str:
-    """W&B run ids are short lowercase alphanumerics; saved in checkpoints for resume."""
-    return secrets.token_hex(4)
-
-
 def build_data(cfg: DictConfig, env: DistEnv, device: torch.device,
                global_batch_size: int) -> tuple[Splits, Loaders]:  # fmt: skip
     log.info("Instantiating data <%s>", cfg.data._target_)
@@ -305,7 +302,7 @@ def check_task(task: Task, module: torch.nn.Module, splits: Splits, loaders: Loa
 
 
 def write_artifacts(task: Task, model: torch.nn.Module, splits: Splits, loaders: Loaders,
-                    device: torch.device, run: RunDir) -> None:
+                    device: torch.device, run: RunDir) -> list[Path]:
     """What the task makes from the trained model (pictures, text), into the run dir."""
     batch = first_batch(splits.val, loaders.val.batch_size, loaders.val.collate_fn)
     model.eval()
@@ -316,6 +313,7 @@ def write_artifacts(task: Task, model: torch.nn.Module, splits: Splits, loaders:
             (run.path / name).write_text(content)
         else:
             try_plot(save_image_grid, content, run.path / name)
+    return [run.path / name for name in made if (run.path / name).exists()]
 
 
 def build_model(cfg: DictConfig, env: DistEnv, device: torch.device) -> Model:

@@ -76,10 +76,10 @@ def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:
     """A job of a sweep: its dir is only reused to resume it (a sweep run again with the same
     hydra.sweep.dir resumes every job), and its W&B run joins the sweep's group."""
     run.check_reusable(cfg, sweep_job=True)
-    if cfg.logger.name == "wandb":
-        job = hydra_cfg.job
-        cfg.logger.group = cfg.logger.group or str(hydra_cfg.sweep.dir)
-        cfg.logger.run_name = cfg.logger.run_name or f"{job.num}-{job.override_dirname}"[:128]
+    if "wandb" in cfg.logger:
+        job, wandb = hydra_cfg.job, cfg.logger.wandb
+        wandb.group = wandb.group or str(hydra_cfg.sweep.dir)
+        wandb.run_name = wandb.run_name or f"{job.num}-{job.override_dirname}"[:128]
 
 
 # What Hydra finds wrong in a command line: an option that does not exist, a value of the wrong

@@ -415,16 +415,17 @@ class SlurmLocalLauncherConfig(SubmititLauncherConfig):
 
 @dataclass
 class LoggerConfig:
-    """Console + metrics.jsonl + summary.json only (always written by rank 0)."""
+    """A logger next to console + metrics.jsonl + summary.json (always written by rank 0)."""
 
-    name: str = "none"
+    _target_: str = MISSING  # a framework.sinks sink (or one of yours)
+    _partial_: bool = True
 
 
 @dataclass
 class WandbLoggerConfig(LoggerConfig):
-    """Weights & Biases, from rank 0 only."""
+    """Weights & Biases, from rank 0 only; files under $WANDB_DIR when set, else the run dir."""
 
-    name: str = "wandb"
+    _target_: str = "framework.sinks.WandbSink"
     project: str = "framework"
     entity: str | None = None
     group: str | None = None  # null: in a sweep, the sweep dir (one group per sweep)
@@ -433,6 +434,31 @@ class WandbLoggerConfig(LoggerConfig):
     # auto: online when credentials exist (WANDB_API_KEY or `wandb login`), else offline
     # (then `wandb sync <run_dir>/wandb/offline-run-*` uploads later).
     mode: str = "auto"
+
+
+@dataclass
+class TensorBoardLoggerConfig(LoggerConfig):
+    """TensorBoard event files in <run dir>/tensorboard."""
+
+    _target_: str = "framework.sinks.TensorBoardSink"
+
+
+@dataclass
+class CsvLoggerConfig(LoggerConfig):
+    """<run dir>/metrics.csv: one row per event, one column per metric."""
+
+    _target_: str = "framework.sinks.CsvSink"
+    filename: str = "metrics.csv"
+
+
+@dataclass
+class MLflowLoggerConfig(LoggerConfig):
+    """An MLflow run in a tracking store: params, metrics by step, artifacts."""
+
+    _target_: str = "framework.sinks.MLflowSink"
+    tracking_uri: str | None = None  # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here
+    experiment: str = "framework"
+    run_name: str | None = None  # null: the run dir's name
 
 
 @dataclass
@@ -519,7 +545,8 @@ class Config:
     precision: Any = MISSING
     comm: Any = MISSING
     launcher: Any = MISSING
-    logger: Any = MISSING
+    # Any number of loggers, each under its name: logger=[wandb,tensorboard,csv,mlflow].
+    logger: dict[str, Any] = field(default_factory=dict)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -562,7 +589,9 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "slurm": SlurmLauncherConfig,
         "slurm_local": SlurmLocalLauncherConfig,
     },
-    "logger": {"none": LoggerConfig, "wandb": WandbLoggerConfig},
+    "logger": {"base": LoggerConfig, "wandb": WandbLoggerConfig,
+               "tensorboard": TensorBoardLoggerConfig, "csv": CsvLoggerConfig,
+               "mlflow": MLflowLoggerConfig},  # fmt: skip
 }
 
 

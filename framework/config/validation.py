@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,8 +24,9 @@ from framework.targets import check_targets
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 RUN_METRICS = {"samples_per_s": "max", "wall_s": "min"}  # objectives every run reports
-GROUPS = ("task", "model", "data", "optimizer", "scheduler", "precision", "comm", "launcher",
-          "logger")  # fmt: skip
+GROUPS = ("task", "model", "data", "optimizer", "scheduler", "precision", "comm", "launcher")
+# Loggers whose library is an optional dependency (the `loggers` dependency group).
+LOGGER_PACKAGES = {s.TensorBoardLoggerConfig: "tensorboard", s.MLflowLoggerConfig: "mlflow"}
 
 
 def require(condition: bool, message: str) -> None:
@@ -61,12 +63,17 @@ def validate(cfg: DictConfig) -> None:
     for group in GROUPS:
         for check in checks_for(OmegaConf.get_type(cfg[group])):
             check(cfg[group], cfg)
+    for name, logger in cfg.logger.items():
+        _check_logger(str(name), logger, cfg)
     resolve_objective(cfg.objective, task_directions(cfg))
 
 
 def _check_nothing_missing(cfg: DictConfig) -> None:
     """A mandatory value (??? in a schema) that no option or override set."""
-    missing = sorted(key for key in OmegaConf.missing_keys(cfg) if not key.startswith("hydra"))
+    # Hydra's own node holds values that exist only inside a job (hydra.job.num): not walked.
+    missing = sorted(key for section in cfg if section != "hydra"
+                     and isinstance(cfg[section], DictConfig)
+                     for key in OmegaConf.missing_keys(cfg[section]))  # fmt: skip
     if not missing:
         return
     key = missing[0]
@@ -272,9 +279,21 @@ def _check_classification(task: DictConfig, cfg: DictConfig) -> None:
             f"task.label_smoothing={task.label_smoothing} must be in [0, 1)")  # fmt: skip
 
 
+def _check_logger(name: str, logger: DictConfig, cfg: DictConfig) -> None:
+    require(isinstance(logger, DictConfig) and "_target_" in logger,
+            f"logger.{name} is not a logger: pick loggers by name, logger=[wandb,csv,...]")
+    schema = OmegaConf.get_type(logger)
+    package = LOGGER_PACKAGES.get(schema)
+    require(package is None or importlib.util.find_spec(package) is not None,
+            f"logger={name} needs the {package} package, which is not installed: "
+            "uv sync --group loggers (uv run pytest installs it with the dev group)")
+    for check in checks_for(schema):
+        check(logger, cfg)
+
+
 def _check_wandb(logger: DictConfig, cfg: DictConfig) -> None:
     require(logger.mode in ("auto", "online", "offline", "disabled"),
-            f"logger.mode={logger.mode!r} is invalid: choose auto, online, offline or "
+            f"logger.wandb.mode={logger.mode!r} is invalid: choose auto, online, offline or "
             "disabled")  # fmt: skip
 
 
