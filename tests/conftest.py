@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,58 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None
     )
 
 
+@dataclass
+class Finished:
+    """How an in-process `train` ended: what a user sees of a command."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capfd, monkeypatch):
+    """`train ARGS` in this process (main(), as the console script calls it), for the tests
+    where a new interpreter is not the point: exit code, stdout and stderr (the ranks' too:
+    they take over this process's streams), in `cwd`, with `env` changes (None removes).
+    Signals to the launcher need a process of their own: run_cli."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from framework import train
+
+    def run(*args: str, cwd: Path, env: dict | None = None, timeout: float = 0) -> Finished:
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["train", *args])
+        for name in ("FRAMEWORK_STARTUP", *DIST_ENV_VARS):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in (env or {}).items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        handlers = list(logging.getLogger().handlers)
+        capfd.readouterr()
+        GlobalHydra.instance().clear()
+        code = 0
+        try:
+            train.main()
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        finally:
+            GlobalHydra.instance().clear()
+            root = logging.getLogger()
+            for handler in list(root.handlers):
+                root.removeHandler(handler)
+            for handler in handlers:
+                root.addHandler(handler)
+        out, err = capfd.readouterr()
+        return Finished(code, out, err)
+
+    return run
+
+
 def pytest_configure(config) -> None:
     """The fork server the tests' ranks start from: its imports run while pytest collects, in
     an environment outside any job."""
@@ -111,8 +164,9 @@ def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
                        nprocs=nprocs, start_method=forkserver.START_METHOD)  # fmt: skip
 
 
-def _as_launched(rank: int, environ: dict[str, str], stdio: list[int], fn, args: tuple) -> None:
-    forkserver.adopt(environ, stdio)
+def _as_launched(rank: int, environ: dict[str, str], cwd: str, stdio: list[int], fn,
+                 args: tuple) -> None:  # fmt: skip
+    forkserver.adopt(environ, cwd, stdio)
     fn(rank, *args)
 
 

@@ -7,7 +7,7 @@ forward (1-based; with grad_accum=1 that is optimizer step <step>):
   kill            SIGKILL to itself; only in the first attempt of a torchrun job
   slow            it sleeps 0.3 s at this and every later step (time to act on a running job)
   SIGxxx          that signal to itself
-  parent-SIGxxx   that signal to its parent (the launcher or the torchrun agent)
+  parent-SIGxxx   that signal to its launcher (`train`, or the torchrun agent)
   group-SIGINT    SIGINT to its whole process group, as a terminal's Ctrl-C does
 The variable is read when the model is built, so a resumed run without it runs clean.
 """
@@ -29,49 +29,55 @@ from framework.models import GPT, MLP
 FAULT_ENV = "FRAMEWORK_TEST_FAULT"
 
 
-class FaultyMLP(MLP):
+class _Faults:
+    """Counts training forwards and says when the fault in FRAMEWORK_TEST_FAULT is due."""
+
+    def _init_faults(self) -> None:
+        self.fault = os.environ.get(FAULT_ENV)
+        self.calls = 0
+
+    def _fault_due(self) -> str | None:
+        """The fault's kind when this training forward is where it acts, else None."""
+        self.calls += 1
+        if not self.fault:
+            return None
+        kind, rank, step = self.fault.split(":")
+        this_rank = dist.get_rank() if dist.is_initialized() else 0
+        due = self.calls >= int(step) if kind == "slow" else self.calls == int(step)
+        return kind if this_rank == int(rank) and due else None
+
+
+class FaultyMLP(_Faults, MLP):
     """framework.models.MLP plus input noise from all three RNGs (python, numpy, torch dropout),
     so a resume that restores any stream wrongly changes the losses; and the injected fault."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.fault = os.environ.get(FAULT_ENV)
-        self.calls = 0
+        self._init_faults()
 
     def forward(self, x):
         if self.training:
             noise = (random.random() + float(np.random.rand())) * 1e-3
             x = F.dropout(x + noise, p=0.1)
-            self.calls += 1
-            if self.fault and self._due():
-                kind = self.fault.split(":")[0]
-                if kind == "nan":
-                    return super().forward(x) * float("nan")
+            kind = self._fault_due()
+            if kind == "nan":
+                return super().forward(x) * float("nan")
+            if kind:
                 _act(kind)
         return super().forward(x)
 
-    def _due(self) -> bool:
-        kind, rank, step = self.fault.split(":")
-        this_rank = dist.get_rank() if dist.is_initialized() else 0
-        if kind == "slow":
-            return this_rank == int(rank) and self.calls >= int(step)
-        return this_rank == int(rank) and self.calls == int(step)
 
-
-class FaultyGPT(GPT):
+class FaultyGPT(_Faults, GPT):
     """framework.models.GPT (with dropout: the torch stream matters on resume) and the
     injected fault, for exact-resume tests of the language model."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.fault = os.environ.get(FAULT_ENV)
-        self.calls = 0
+        self._init_faults()
 
     def forward(self, tokens):
-        if self.training:
-            self.calls += 1
-            if self.fault and FaultyMLP._due(self):
-                _act(self.fault.split(":")[0])
+        if self.training and (kind := self._fault_due()):
+            _act(kind)
         return super().forward(tokens)
 
 
@@ -87,12 +93,24 @@ def _act(kind: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return
     if kind.startswith("parent-"):
-        os.kill(os.getppid(), getattr(signal, kind.removeprefix("parent-")))
+        os.kill(_launcher(), getattr(signal, kind.removeprefix("parent-")))
     elif kind.startswith("group-"):
         os.killpg(os.getpgrp(), getattr(signal, kind.removeprefix("group-")))
     else:
         os.kill(os.getpid(), getattr(signal, kind))
     time.sleep(0.2)  # let the signal land before this step's agreement
+
+
+def _launcher() -> int:
+    """The process that started this rank: its parent, or for a rank forked from a fork server
+    (launcher=local), the server's parent."""
+    parent = os.getppid()
+    with open(f"/proc/{parent}/cmdline", "rb") as cmdline:
+        forked = b"multiprocessing.forkserver" in cmdline.read()
+    if not forked:
+        return parent
+    with open(f"/proc/{parent}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:

@@ -3,8 +3,8 @@ milliseconds instead of importing torch, torch._dynamo and the rest from scratch
 
 `train` starts it before Hydra composes the config, so its imports (about as long as one
 `import torch._dynamo`) run while this process composes; the ranks of launcher=local are then
-forked from it, and take over the launcher's environment and output streams (the server's are
-the ones it started with).
+forked from it, and take over the launcher's environment, working dir and output streams (the
+server's are the ones it started with).
 The launcher process itself never imports the training stack. (launcher=torchrun's agent spawns
 its workers: it sets their variables on top of the environment they start with.)
 """
@@ -54,15 +54,17 @@ def _received_fd(duplicate) -> int:
     return duplicate.detach()
 
 
-def launcher_context() -> tuple[dict[str, str], list[_LaunchersFd]]:
-    """What a rank takes over from the process that starts it: environment, stdout, stderr."""
-    return dict(os.environ), [_LaunchersFd(1), _LaunchersFd(2)]
+def launcher_context() -> tuple[dict[str, str], str, list[_LaunchersFd]]:
+    """What a rank takes over from the process that starts it: environment, working dir,
+    stdout and stderr."""
+    return dict(os.environ), os.getcwd(), [_LaunchersFd(1), _LaunchersFd(2)]
 
 
-def adopt(environ: dict[str, str], stdio: list[int]) -> None:
-    """In the rank, first thing: the launcher's environment and output streams."""
+def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
+    """In the rank, first thing: the launcher's environment, working dir and output streams."""
     os.environ.clear()
     os.environ.update(environ)
+    os.chdir(cwd)
     sys.stdout.flush()
     sys.stderr.flush()
     for target, fd in zip((1, 2), stdio, strict=True):

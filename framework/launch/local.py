@@ -100,8 +100,8 @@ def _forward_signals(names: list[str], pids: list[int]) -> Iterator[None]:
 
 
 def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int,
-                  environ: dict[str, str], stdio: list[int]) -> None:  # fmt: skip
-    forkserver.adopt(environ, stdio)
+                  environ: dict[str, str], cwd: str, stdio: list[int]) -> None:  # fmt: skip
+    forkserver.adopt(environ, cwd, stdio)
     startup.mark("start ranks")
     # Imported in the rank (the fork server has it loaded): the launcher never needs it.
     from framework.launch.worker import run_worker

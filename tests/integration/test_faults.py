@@ -22,15 +22,18 @@ STOPPED, INTERRUPTED = ExitCode.STOPPED, ExitCode.INTERRUPTED
 
 
 def processes_mentioning(text: str) -> list[str]:
-    """Command lines of live processes that mention `text` (a test's unique tmp path)."""
+    """Command lines of live processes that mention `text` (a test's unique tmp path) or work
+    in it: a rank forked from a fork server has the server's command line, and the launcher's
+    working dir."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for process in Path("/proc").glob("[0-9]*"):
         try:
-            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            line = (process / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(process / "cwd")
         except OSError:
             continue
-        if text in line and "pytest" not in line:
-            found.append(line)
+        if (text in line or cwd.startswith(text)) and "pytest" not in line:
+            found.append(f"{line} (in {cwd})")
     return found
 
 
@@ -93,11 +96,11 @@ def test_a_signal_to_torchrun_reaches_the_ranks_which_save_and_leave_no_process_
     assert not processes_mentioning(str(tmp_path))
 
 
-def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_message_and_no_process_left(
+def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_message_and_no_process_left(cli,
     tmp_path,
 ):
     started = time.monotonic()
-    result = run_cli(*FAULTS, f"hydra.run.dir={tmp_path / 'run'}", "dist.timeout_s=5",
+    result = cli(*FAULTS, f"hydra.run.dir={tmp_path / 'run'}", "dist.timeout_s=5",
                      cwd=tmp_path, env={FAULT_ENV: "hang:1:3"})  # fmt: skip
     seconds = time.monotonic() - started
     assert result.returncode == 1
@@ -111,9 +114,9 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_message_and_no_pro
     assert not processes_mentioning(str(tmp_path))
 
 
-def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_saving_it(tmp_path):
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_saving_it(cli, tmp_path):
     run_dir = tmp_path / "run"
-    result = run_cli(*FAULTS, f"hydra.run.dir={run_dir}", cwd=tmp_path,
+    result = cli(*FAULTS, f"hydra.run.dir={run_dir}", cwd=tmp_path,
                      env={FAULT_ENV: "nan:1:6"})  # fmt: skip
     assert result.returncode == 1
     assert "non-finite loss on rank(s) 1 at step 6 (epoch 1): stopped without saving" in (
@@ -145,15 +148,17 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
 
 
-def test_a_finished_run_continues_only_with_a_larger_budget_and_refuses_other_settings(tmp_path):
+def test_a_finished_run_continues_only_with_a_larger_budget_and_refuses_other_settings(
+    cli, tmp_path
+):
     run_dir = tmp_path / "run"
     one_rank = (*FAULTS, f"hydra.run.dir={run_dir}", "launcher.nproc_per_node=1")
-    assert run_cli(*one_rank, "trainer.max_steps=8", cwd=tmp_path).returncode == 0
+    assert cli(*one_rank, "trainer.max_steps=8", cwd=tmp_path).returncode == 0
     before = snapshot(run_dir)
 
-    again = run_cli(*one_rank, "trainer.max_steps=8", cwd=tmp_path)
+    again = cli(*one_rank, "trainer.max_steps=8", cwd=tmp_path)
     assert again.returncode == 0 and "is complete at step 8" in again.stderr
-    changed = run_cli(*one_rank, "trainer.max_steps=8", "data.batch_size=16", cwd=tmp_path)
+    changed = cli(*one_rank, "trainer.max_steps=8", "data.batch_size=16", cwd=tmp_path)
     assert changed.returncode == 2
     assert "data.batch_size: 32 in the checkpoint, 16 now" in changed.stderr, changed.stderr
     assert "Traceback" not in changed.stderr
@@ -161,21 +166,23 @@ def test_a_finished_run_continues_only_with_a_larger_budget_and_refuses_other_se
     assert {k: v for k, v in after.items() if k != "train.log"} == {
         k: v for k, v in before.items() if k != "train.log"}  # fmt: skip
 
-    longer = run_cli(*one_rank, "trainer.max_steps=12", cwd=tmp_path)
+    longer = cli(*one_rank, "trainer.max_steps=12", cwd=tmp_path)
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert "resumed from" in longer.stderr and "at step 8" in longer.stderr
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12
 
 
-def test_an_explicit_checkpoint_that_is_broken_or_from_another_model_is_one_clear_error(tmp_path):
+def test_an_explicit_checkpoint_that_is_broken_or_from_another_model_is_one_clear_error(
+    cli, tmp_path
+):
     source = tmp_path / "source"
     one_rank = (*FAULTS, "launcher.nproc_per_node=1", "trainer.max_steps=4")
-    assert run_cli(*one_rank, f"hydra.run.dir={source}", cwd=tmp_path).returncode == 0
+    assert cli(*one_rank, f"hydra.run.dir={source}", cwd=tmp_path).returncode == 0
     good = source / "checkpoints" / "step_00000004.pt"
     broken = tmp_path / "broken.pt"
     broken.write_bytes(good.read_bytes()[:1000])
 
-    result = run_cli(*one_rank, f"checkpoint.resume={broken}", f"hydra.run.dir={tmp_path / 'a'}",
+    result = cli(*one_rank, f"checkpoint.resume={broken}", f"hydra.run.dir={tmp_path / 'a'}",
                      cwd=tmp_path)  # fmt: skip
     assert result.returncode == 2
     assert f"error: checkpoint {broken} is unreadable (empty, truncated or corrupted" in (
@@ -183,7 +190,7 @@ def test_an_explicit_checkpoint_that_is_broken_or_from_another_model_is_one_clea
     )
     assert not (tmp_path / "a").exists()
 
-    result = run_cli(*one_rank, f"checkpoint.resume={good}", "model.hidden_sizes=[16]",
+    result = cli(*one_rank, f"checkpoint.resume={good}", "model.hidden_sizes=[16]",
                      f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 2
     assert "holds a different model (shape (checkpoint vs model): net.1.bias (32,) vs (16,)" in (

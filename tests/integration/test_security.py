@@ -9,7 +9,6 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.redaction import REDACTED
-from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
 TINY_RUN = ("launcher.nproc_per_node=1", "trainer.max_steps=3", "data=synthetic",
@@ -40,9 +39,9 @@ REFUSED = [
 
 
 @pytest.mark.parametrize(("overrides", "expected"), REFUSED, ids=lambda v: str(v))
-def test_a_refused_target_runs_nothing_and_makes_no_run_dir(tmp_path, overrides, expected):
+def test_a_refused_target_runs_nothing_and_makes_no_run_dir(cli, tmp_path, overrides, expected):
     (tmp_path / "src.txt").write_text("copied\n")
-    result = run_cli(*overrides, *TINY_RUN, cwd=tmp_path)
+    result = cli(*overrides, *TINY_RUN, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line
     assert result.stderr.startswith("error: ") and expected in result.stderr, result.stderr
@@ -62,12 +61,12 @@ def assert_no_file_holds(root: Path, secrets: list[str]) -> None:
     assert files_holding(root, secrets) == []
 
 
-def test_planted_secrets_reach_neither_the_run_dir_nor_wandb(tmp_path):
+def test_planted_secrets_reach_neither_the_run_dir_nor_wandb(cli, tmp_path):
     run_dir = tmp_path / "run"
     env = {"WANDB_MODE": "offline", "WANDB_API_KEY": WANDB_KEY,
            "NETRC": str(tmp_path / "no-netrc"),
            "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}  # fmt: skip
-    result = run_cli(f"+data.api_token={TOKEN}", "logger=wandb", *TINY_RUN,
+    result = cli(f"+data.api_token={TOKEN}", "logger=wandb", *TINY_RUN,
                      f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     for secret in (TOKEN, WANDB_KEY):
@@ -83,8 +82,8 @@ def test_planted_secrets_reach_neither_the_run_dir_nor_wandb(tmp_path):
     assert_no_file_holds(tmp_path, [TOKEN, WANDB_KEY])
 
 
-def test_a_multirun_writes_no_secret_either(tmp_path):
-    result = run_cli("-m", f"+data.api_token={TOKEN}",
+def test_a_multirun_writes_no_secret_either(cli, tmp_path):
+    result = cli("-m", f"+data.api_token={TOKEN}",
                      f"+hydra.job.env_set.MY_TOKEN={ENV_SET_TOKEN}", "optimizer.lr=0.1",
                      *TINY_RUN, cwd=tmp_path, env={"WANDB_API_KEY": WANDB_KEY})  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

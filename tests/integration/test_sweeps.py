@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import read_metrics
 
 pytestmark = pytest.mark.slow
 TINY_CLI = ("data=synthetic", "data.in_channels=1", "data.image_size=8", "data.train_size=256",
@@ -53,10 +53,10 @@ def wandb_run_record(run_dir: Path):
     raise AssertionError(f"no run record in {log_file}")
 
 
-def test_a_sweep_runs_each_job_as_a_ddp_group_in_its_own_dir_with_a_summary_and_one_wandb_group(
+def test_a_sweep_runs_each_job_as_a_ddp_group_in_its_own_dir_with_a_summary_and_one_wandb_group(cli,
     tmp_path,
 ):
-    result = run_cli("-m", "optimizer.lr=0.1,0.05", "comm=allreduce,powersgd", *TINY_CLI,
+    result = cli("-m", "optimizer.lr=0.1,0.05", "comm=allreduce,powersgd", *TINY_CLI,
                      "logger=wandb", cwd=tmp_path, env=OFFLINE_WANDB)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     sweep = sweep_dir(tmp_path)
@@ -87,9 +87,9 @@ def test_a_sweep_runs_each_job_as_a_ddp_group_in_its_own_dir_with_a_summary_and_
     assert records[1].display_name.startswith("1-") and "comm=powersgd" in records[1].display_name
 
 
-def test_a_failed_job_is_reported_in_the_summary_and_the_sweep_goes_on(tmp_path):
+def test_a_failed_job_is_reported_in_the_summary_and_the_sweep_goes_on(cli, tmp_path):
     # Job 0 asks for a global batch larger than the data set (its ranks refuse it); job 1 runs.
-    result = run_cli("-m", "data.batch_size=4096,16", *TINY_CLI, cwd=tmp_path, timeout=240)
+    result = cli("-m", "data.batch_size=4096,16", *TINY_CLI, cwd=tmp_path, timeout=240)
     assert result.returncode == 1
     assert "smaller than one global batch" in result.stderr
     assert "Traceback" not in result.stderr
@@ -99,11 +99,11 @@ def test_a_failed_job_is_reported_in_the_summary_and_the_sweep_goes_on(tmp_path)
     assert float(rows[1]["val/accuracy"]) > 0
 
 
-def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_values(tmp_path):
+def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_values(cli, tmp_path):
     """Each rank is its own submitit task and composes the config itself; the run uses rank
     0's, and the end-of-run check (runner.check_replicas_agree) fails a job whose ranks
     trained with different values."""
-    result = run_cli(
+    result = cli(
         "-m", "launcher=slurm_local", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
         "hydra.sweeper.n_jobs=2", "hydra.sweeper.direction=maximize",
         "hydra.sweeper.sampler.seed=0", "optimizer.lr=interval(0.01,0.3)", *TINY_CLI,
@@ -137,9 +137,9 @@ LAUNCHER_CHECKS = [
 
 
 @pytest.mark.parametrize(("overrides", "env", "expected"), LAUNCHER_CHECKS, ids=lambda v: str(v))
-def test_impossible_launches_are_refused_before_anything_is_submitted(tmp_path, overrides, env,
+def test_impossible_launches_are_refused_before_anything_is_submitted(cli, tmp_path, overrides, env,
                                                                       expected):  # fmt: skip
-    result = run_cli(*overrides, "trainer.max_steps=1", cwd=tmp_path, env=env)
+    result = cli(*overrides, "trainer.max_steps=1", cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stderr[-3000:]
     for text in expected:
         assert text in result.stderr, result.stderr

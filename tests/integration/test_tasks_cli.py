@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, make_cfg, read_metrics, run_cli, train_many
+from tests.conftest import REPO, make_cfg, read_metrics, train_many
 
 pytestmark = pytest.mark.slow
 SHORT = ("trainer.max_epochs=null", "trainer.max_steps=4", "trainer.log_every=2",
@@ -48,11 +48,11 @@ def test_every_preset_trains_on_two_ranks_and_reports_its_tasks_metrics(preset_r
     assert (run_dir / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_task_from_the_users_own_package_trains_on_two_ranks(tmp_path):
+def test_a_task_from_the_users_own_package_trains_on_two_ranks(cli, tmp_path):
     """tests/integration/my_experiments is outside framework/: one class and one YAML file,
     found through FRAMEWORK_CONFIG_PATH."""
     run_dir = tmp_path / "run"
-    result = run_cli("task=abs_error", "data=diabetes", "model=ffn", "trainer.max_epochs=2",
+    result = cli("task=abs_error", "data=diabetes", "model=ffn", "trainer.max_epochs=2",
                      f"hydra.run.dir={run_dir}", cwd=tmp_path,
                      env={"PYTHONPATH": str(REPO),
                           "FRAMEWORK_CONFIG_PATH": "pkg://tests.integration.my_experiments.conf"})
@@ -80,9 +80,9 @@ MISFITS = [
 
 
 @pytest.mark.parametrize(("overrides", "expected"), MISFITS, ids=lambda v: " ".join(v))
-def test_a_task_that_does_not_fit_exits_2_with_one_line_and_no_run_dir(tmp_path, overrides,
+def test_a_task_that_does_not_fit_exits_2_with_one_line_and_no_run_dir(cli, tmp_path, overrides,
                                                                        expected):  # fmt: skip
-    result = run_cli(*overrides, cwd=tmp_path)
+    result = cli(*overrides, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-3000:]
