@@ -17,6 +17,8 @@ import os
 import sys
 from multiprocessing import reduction
 
+from framework import startup
+
 START_METHOD = "forkserver"
 # What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
 # the tasks and models), the bundled data sets, and the plots rank 0 draws at the end.
@@ -64,6 +66,7 @@ def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
     """In the rank, first thing: the launcher's environment, working dir and output streams."""
     os.environ.clear()
     os.environ.update(environ)
+    startup.count_from_now_unless_marked()
     os.chdir(cwd)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -47,7 +47,7 @@ def test_every_precision_and_comm_combination_trains_on_two_cpu_ranks(combinatio
         assert summary["comm/compression"] > 2.0
 
 
-SEEDS = (0, 1)  # one seed alone moves digits accuracy by about a point (359 val images)
+SEEDS = (0, 1, 2)  # one seed alone moves digits accuracy by one or two points (359 val images)
 VARIANTS = ["comm=allreduce", "comm=fp16", "comm=bf16", "comm=powersgd", "precision=bf16",
             "precision=amp"]  # fmt: skip
 
