@@ -48,7 +48,17 @@ def _panels(events: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
 def plot_run(run_dir: Path) -> Path | None:
     """curves.png: one panel per metric in metrics.jsonl (training and validation values of the
     same metric share a panel) against the optimizer step."""
-    events = _events(run_dir)
+    figure = draw_curves(_events(run_dir), title="/".join(run_dir.parts[-3:]))
+    if figure is None:
+        return None
+    path = RunDir(run_dir).curves
+    figure.savefig(path, dpi=100)
+    _pyplot().close(figure)
+    return path
+
+
+def draw_curves(events: list[dict[str, Any]], title: str):
+    """The figure of plot_run, or None when no event holds a metric."""
     panels = _panels(events)
     if not panels:
         return None
@@ -60,16 +70,13 @@ def plot_run(run_dir: Path) -> Path | None:
             label = "train (mean over ranks)" if key.startswith("train/") else "validation"
             ax.plot(steps, values, "o-" if len(steps) < 30 else "-", label=label)
             if len(steps) == 1:  # one evaluation (trainer.eval_every=0): say its value
-                ax.annotate(f"{values[0]:.4g}", (steps[0], values[0]),
-                            textcoords="offset points", xytext=(6, 6))  # fmt: skip
+                ax.annotate(f"{label} {values[0]:.4g}", (steps[0], values[0]),
+                            textcoords="offset points", xytext=(-6, 8), ha="right")  # fmt: skip
         ax.set(xlabel="optimizer step", ylabel=name, title=name)
         ax.legend(fontsize="small")
-    figure.suptitle("/".join(run_dir.parts[-3:]))
+    figure.suptitle(title)
     figure.tight_layout()
-    path = RunDir(run_dir).curves
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return figure
 
 
 def save_image_grid(images: Any, path: Path, columns: int = 16) -> Path:
