@@ -9,6 +9,8 @@ dicts; a data option's `collate_fn` (by `_target_`) batches samples that default
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import itertools
 import logging
 import math
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import (
     DataLoader,
@@ -67,19 +70,30 @@ def _tensor_splits(inputs: torch.Tensor, targets: torch.Tensor, val_fraction: fl
     )
 
 
+def bundled_with_scikit_learn(name: str, **loadtxt: Any) -> np.ndarray:
+    """A data file that ships inside scikit-learn (a gzipped CSV), read as its loaders read it
+    but without importing scikit-learn, which costs about 5 s of a run's start-up on 2 cores.
+    tests/unit/test_data.py checks the result against scikit-learn's own loaders."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{name}: scikit-learn, which ships it, is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / name
+    with gzip.open(path, "rt", encoding="utf-8") as file:
+        return np.loadtxt(file, **loadtxt)
+
+
 def digits(val_fraction: float = DigitsConfig.val_fraction,
            test_fraction: float = DigitsConfig.test_fraction,
            split_seed: int = DigitsConfig.split_seed,
            normalize: bool = DigitsConfig.normalize, **_: object) -> Splits:  # fmt: skip
     """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes. Pixels in
     [-1, 1] (normalize) or [0, 1]."""
-    from sklearn.datasets import load_digits  # scikit-learn's import costs ~2 s; only data needs it
-
-    bunch = load_digits()
-    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    table = bundled_with_scikit_learn("digits.csv.gz", delimiter=",")  # 64 pixels, then the label
+    pixels = torch.tensor(table[:, :-1].reshape(-1, 1, 8, 8), dtype=torch.float32)
+    images = pixels / 16.0
     if normalize:
         images = (images - 0.5) / 0.5
-    labels = torch.tensor(bunch.target, dtype=torch.long)
+    labels = torch.tensor(table[:, -1].astype(np.int64))
     return _tensor_splits(images, labels, val_fraction, test_fraction, split_seed)
 
 
@@ -89,9 +103,8 @@ def diabetes(val_fraction: float = DiabetesConfig.val_fraction,
     """scikit-learn's bundled diabetes data: 442 patients, 10 features, disease progression one
     year later (a real number). Features and target standardised with the training split's
     mean and std (R² does not depend on the target's scale)."""
-    from sklearn.datasets import load_diabetes
-
-    arrays = load_diabetes(return_X_y=True)
+    files = ("diabetes_data_raw.csv.gz", "diabetes_target.csv.gz")
+    arrays = (bundled_with_scikit_learn(name) for name in files)
     features, target = (torch.tensor(array, dtype=torch.float32) for array in arrays)
     train, _, _ = split_indices(len(target), val_fraction, test_fraction, split_seed)
 

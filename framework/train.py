@@ -20,7 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework import context, startup
 from framework.config import CONF_DIR, validate
-from framework.launch import forkserver, launch
+from framework.launch import forkserver
+from framework.launch.dispatch import launch
 from framework.outcomes import (
     ConfigError,
     ExitCode,

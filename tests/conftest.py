@@ -50,7 +50,7 @@ def prepare_run(cfg: DictConfig, run_dir: Path) -> None:
 
 def train_in_process(cfg: DictConfig, run_dir: Path) -> dict:
     """Prepare, then start the ranks with the configured launcher, as `train` does."""
-    from framework.launch import launch
+    from framework.launch.dispatch import launch
 
     prepare_run(cfg, run_dir)
     return launch(cfg, run_dir)

@@ -21,8 +21,8 @@ from framework import startup
 
 START_METHOD = "forkserver"
 # What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
-# the tasks and models), the bundled data sets, and the plots rank 0 draws at the end.
-PRELOAD = ["framework.launch.worker", "sklearn.datasets", "matplotlib.pyplot"]
+# the tasks, models and data sets), and the plots rank 0 draws at the end.
+PRELOAD = ["framework.launch.worker", "matplotlib.pyplot"]
 
 
 def warm_up() -> None:

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from framework.data import ShardSampler, cifar10, digits, synthetic
+from framework.data import (
+    ShardSampler,
+    bundled_with_scikit_learn,
+    cifar10,
+    digits,
+    split_indices,
+    synthetic,
+)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -23,6 +30,23 @@ def test_digits_is_the_real_bundled_dataset():
     images, labels = splits.val.tensors
     assert images.shape[1:] == (1, 8, 8)
     assert set(labels.tolist()) == set(range(10))
+
+
+def test_digits_and_diabetes_equal_scikit_learns_loaders_without_importing_it():
+    from sklearn.datasets import load_diabetes, load_digits
+
+    splits = digits(val_fraction=0.0, split_seed=0, normalize=False)
+    ours = torch.cat([splits.train.tensors[0], splits.val.tensors[0]])
+    labels = torch.cat([splits.train.tensors[1], splits.val.tensors[1]])
+    order = split_indices(1797, 0.0, 0.0, 0)[0]  # the rows in the order the split put them
+    reference = load_digits()
+    images = torch.tensor(reference.images[order], dtype=torch.float32)[:, None] / 16
+    assert torch.equal(ours, images)
+    assert torch.equal(labels, torch.tensor(reference.target[order]))
+
+    features, target = load_diabetes(return_X_y=True, scaled=False)
+    assert np.array_equal(bundled_with_scikit_learn("diabetes_data_raw.csv.gz"), features)
+    assert np.array_equal(bundled_with_scikit_learn("diabetes_target.csv.gz"), target)
 
 
 def test_synthetic_is_deterministic_and_sized_by_config():
