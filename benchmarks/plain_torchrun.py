@@ -7,6 +7,7 @@ the first optimizer step (the moment the benchmark times), then the script ends.
 """
 
 import os
+import sys
 
 import torch
 
@@ -47,6 +48,12 @@ def main() -> None:
     if rank == 0:
         print(f"step=1 loss={loss.item():.4f}", flush=True)
     dist.destroy_process_group()
+    # torch 2.13 can deadlock when the DDP model is freed (here, as main returns): the main
+    # thread joins gloo's worker thread holding the GIL while that thread waits for the GIL to
+    # drop a finished work item (py-spy --native: ~ProcessGroupGloo in std::thread::join). Seen
+    # in 3 of 8 runs. `train`'s local ranks, processes of multiprocessing, end with os._exit too.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

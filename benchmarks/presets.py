@@ -57,7 +57,7 @@ def baseline(preset: str, run_dir: Path) -> tuple[str, float]:
 def run(preset: str, run_dir: Path) -> dict[str, Any]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "framework.train", f"experiment={preset}",
+    result = subprocess.run([sys.executable, "-m", "framework.cli", f"experiment={preset}",
                              f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, text=True,
                             capture_output=True)  # fmt: skip
     command_s = time.perf_counter() - started

@@ -65,7 +65,7 @@ def train_losses(run_dir: Path) -> list[float]:
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None):
-    """Run `python -m framework.train ARGS` as a user would, in cwd."""
+    """`train ARGS` as a user runs it, in cwd: framework.cli is what the console script runs."""
     full_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
     for name, value in (env or {}).items():  # None removes a variable
         if value is None:
@@ -73,7 +73,7 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None
         else:
             full_env[name] = value
     return subprocess.run(
-        [sys.executable, "-m", "framework.train", *args],
+        [sys.executable, "-m", "framework.cli", *args],
         cwd=cwd,
         env=full_env,
         capture_output=True,

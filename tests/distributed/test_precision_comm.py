@@ -47,24 +47,30 @@ def test_every_precision_and_comm_combination_trains_on_two_cpu_ranks(combinatio
         assert summary["comm/compression"] > 2.0
 
 
-SEEDS = (0, 1, 2)  # one seed alone moves digits accuracy by one or two points (359 val images)
+SEEDS = (0, 1)  # one seed alone moves digits accuracy by one or two points (359 val images)
+# PowerSGD (rank 2) is about a point behind after 330 steps, at the margin: its seed-to-seed noise
+# decides, so it and its baseline get a third seed.
+SEEDS_OF = {"comm=allreduce": (0, 1, 2), "comm=powersgd": (0, 1, 2)}
 VARIANTS = ["comm=allreduce", "comm=fp16", "comm=bf16", "comm=powersgd", "precision=bf16",
             "precision=amp"]  # fmt: skip
 
 
 def test_compressed_communication_and_every_precision_keep_digits_accuracy(tmp_path):
-    """The default digits experiment, same number of steps, mean over two seeds."""
+    """The default digits experiment, same number of steps, mean over seeds."""
     # The full 15 epochs: at 10, PowerSGD (rank 2) is still 4 points behind (93% vs 97%).
+    runs = [(variant, seed) for variant in VARIANTS for seed in SEEDS_OF.get(variant, SEEDS)]
     jobs = [(make_cfg(variant, f"trainer.seed={seed}", "trainer.log_every=1000"),
              tmp_path / f"{variant.replace('=', '-')}-{seed}")
-            for variant in VARIANTS for seed in SEEDS]  # fmt: skip
-    summaries = iter(train_many(jobs))
-    accuracy = {
-        variant: statistics.mean(next(summaries)["val/accuracy"] for _ in SEEDS)
-        for variant in VARIANTS
-    }
-    baseline = accuracy["comm=allreduce"]  # = fp32 with allreduce
-    assert baseline >= 0.95, accuracy
+            for variant, seed in runs]  # fmt: skip
+    summaries = train_many(jobs)
+    accuracy = {run: summary["val/accuracy"] for run, summary in zip(runs, summaries, strict=True)}
+    baseline = "comm=allreduce"  # = fp32 with allreduce
+
+    def mean(variant: str, seeds: tuple[int, ...]) -> float:
+        return statistics.mean(accuracy[(variant, seed)] for seed in seeds)
+
+    assert mean(baseline, SEEDS) >= 0.95, accuracy
     for variant in VARIANTS[1:]:
-        assert accuracy[variant] >= baseline - 0.01, accuracy
+        seeds = SEEDS_OF.get(variant, SEEDS)
+        assert mean(variant, seeds) >= mean(baseline, seeds) - 0.01, accuracy
     print(accuracy)

@@ -134,7 +134,7 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
     env[FAULT_ENV] = "group-SIGINT:0:7"  # like a terminal: the launcher and every rank get it
     process = subprocess.Popen(
-        [sys.executable, "-m", "framework.train", *FAULTS, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "framework.cli", *FAULTS, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     _, stderr = process.communicate(timeout=120)
