@@ -101,7 +101,8 @@ class SignalExchange:
         self.turn ^= 1
         flags.zero_()
         name = self.requests.signal_name
-        flags[self.env.rank] = getattr(signal, name) if name else 0
+        if name:  # a steady step writes nothing more
+            flags[self.env.rank] = getattr(signal, name)
         work = (dist.all_reduce(flags, group=self.group, async_op=True) if self.env.distributed
                 else None)  # fmt: skip
         self.pending = (work, flags)
@@ -131,37 +132,66 @@ class NonFiniteReport:
 
 
 class NonFiniteWatch:
-    """Records, on the device, the first and last steps at which this rank's loss or the
-    gradients went non-finite, and how many updates were dropped; the host reads it only where
-    it looks anyway (logging steps, checkpoint saves, the end), in one all-reduce of every
-    rank's record. A loss may go bad on one rank alone; the gradients, synchronised by DDP, go
-    bad on every rank at once."""
+    """Keeps, on the device, each step's flags (loss finite, gradients finite, update dropped);
+    the host reads them only where it looks anyway (logging steps, checkpoint saves, the end),
+    as one record per rank (first and last bad step, what was bad at the first, updates
+    dropped) in one all-reduce of every rank's record. A step costs one small device op. A loss
+    may go bad on one rank alone; the gradients, synchronised by DDP, go bad on every rank at
+    once."""
 
     FIELDS = 5  # first bad step, last bad step, loss bad then, gradients bad then, dropped
+    FOLD_EVERY = 1024  # steps whose flags are folded into the record, between two looks
 
     def __init__(self, env: DistEnv, device: torch.device) -> None:
         self.env = env
         self.record = torch.zeros(self.FIELDS, dtype=torch.int64, device=device)
+        self.steps: list[int] = []
+        self.flags: list[torch.Tensor] = []
+        self._kept = torch.tensor(False, device=device)
 
     def add(self, step: int, loss_finite: torch.Tensor, grads_finite: torch.Tensor,
             dropped: torch.Tensor | None) -> None:  # fmt: skip
         """Step `step` (1-based): all on the device, no host read."""
-        record, bad = self.record, ~(loss_finite & grads_finite)
-        first = (record[0] == 0) & bad
-        record[0] = torch.where(first, step, record[0])
-        record[1] = torch.where(bad, step, record[1])
-        record[2] = torch.where(first, (~loss_finite).long(), record[2])
-        record[3] = torch.where(first, (~grads_finite).long(), record[3])
-        if dropped is not None:
-            record[4] += dropped.long()
+        self.steps.append(step)
+        self.flags.append(torch.stack((loss_finite, grads_finite,
+                                       self._kept if dropped is None else dropped)))  # fmt: skip
+        if len(self.flags) == self.FOLD_EVERY:
+            self.record = self._merged(self.record, self._fold())
+
+    def _fold(self) -> torch.Tensor:
+        """The record of the steps added since the last fold, on the device."""
+        if not self.flags:
+            return torch.zeros_like(self.record)
+        flags = torch.stack(self.flags)
+        steps = torch.tensor(self.steps, dtype=torch.int64).to(self.record.device,
+                                                                  non_blocking=True)  # fmt: skip
+        self.steps, self.flags = [], []
+        loss_bad, grads_bad = ~flags[:, 0], ~flags[:, 1]
+        bad = loss_bad | grads_bad
+        any_bad = bad.any()
+        first = torch.argmax(bad.to(torch.int8))  # the first maximum's index
+        last = len(steps) - 1 - torch.argmax(bad.flip(0).to(torch.int8))
+        at_first = torch.stack((steps[first], steps[last], loss_bad[first].long(),
+                                grads_bad[first].long()))  # fmt: skip
+        return torch.cat((torch.where(any_bad, at_first, 0), flags[:, 2].long().sum().view(1)))
+
+    @staticmethod
+    def _merged(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Two records, the older first: the first bad step (and what was bad at it) from the
+        older one if it saw one, the last from the newer one if it saw one, drops added."""
+        merged = torch.where(old[0] != 0, old, new)
+        merged[1] = torch.where(new[1] != 0, new[1], old[1])
+        merged[4] = old[4] + new[4]
+        return merged
 
     def look(self) -> NonFiniteReport | None:
         """Collective (every rank at the same step): what happened since the last look."""
+        record = self._merged(self.record, self._fold())
+        self.record = torch.zeros_like(record)
         rows = torch.zeros(self.env.world_size, self.FIELDS, dtype=torch.int64,
-                           device=self.record.device)  # fmt: skip
-        rows[self.env.rank] = self.record
+                           device=record.device)  # fmt: skip
+        rows[self.env.rank] = record
         rows = all_reduce_sum(rows).tolist() if self.env.distributed else rows.tolist()
-        self.record.zero_()
         firsts = [row[0] for row in rows if row[0]]
         if not firsts:
             return None

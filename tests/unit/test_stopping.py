@@ -1,0 +1,47 @@
+"""The non-finite record a rank keeps on the device between two looks: what the report says
+for a sequence of steps, whether the steps were folded into the record on the way or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from framework.context import DistEnv
+from framework.stopping import NonFiniteWatch
+
+T, F = torch.tensor(True), torch.tensor(False)
+
+
+def watched(steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], fold_every: int,
+            monkeypatch) -> NonFiniteWatch:  # fmt: skip
+    monkeypatch.setattr(NonFiniteWatch, "FOLD_EVERY", fold_every)
+    watch = NonFiniteWatch(DistEnv(), torch.device("cpu"))
+    for step, (loss_finite, grads_finite, dropped) in enumerate(steps, start=1):
+        watch.add(step, loss_finite, grads_finite, dropped)
+    return watch
+
+
+@pytest.mark.parametrize("fold_every", [1024, 3, 2, 1])
+def test_the_report_names_the_first_bad_step_what_was_bad_there_the_last_and_the_drops(
+    monkeypatch, fold_every
+):
+    steps = [(T, T, F), (T, T, F), (F, T, F), (T, F, T), (T, T, F), (T, F, T), (T, T, F)]
+    report = watched(steps, fold_every, monkeypatch).look()
+    assert (report.step, report.loss_ranks, report.gradients) == (3, [0], False)
+    assert (report.last_step, report.dropped) == (6, 2)
+
+
+@pytest.mark.parametrize("fold_every", [1024, 2])
+def test_gradients_bad_at_the_first_bad_step_and_no_drops_under_stop(monkeypatch, fold_every):
+    report = watched([(T, T, None), (T, F, None), (F, F, None)], fold_every, monkeypatch).look()
+    assert (report.step, report.loss_ranks, report.gradients) == (2, [], True)
+    assert (report.last_step, report.dropped) == (3, 0)
+
+
+def test_nothing_bad_no_report_and_a_look_starts_afresh(monkeypatch):
+    watch = watched([(T, T, F)] * 5, 2, monkeypatch)
+    assert watch.look() is None
+    watch.add(6, F, T, F)
+    assert watch.look().step == 6
+    watch.add(7, T, T, F)
+    assert watch.look() is None  # step 6 was reported by the look before
