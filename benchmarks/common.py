@@ -269,9 +269,11 @@ def run_ours(trial: Trial, ctx: TrialContext, overrides: Sequence[str] = ()) -> 
 def run_train(overrides: list[str], ctx: TrialContext, warmup: int) -> dict[str, Any] | None:
     """framework.rank.run on this rank, what a spawned rank of `train` runs. Rank 0 returns
     the summary, the train events of metrics.jsonl and the steady samples/s after `warmup`."""
+    from framework import startup
     from framework.context import DistEnv
     from framework.rank import run
 
+    startup.count_from_now()
     cfg = compose(overrides)
     run_dir = ctx.scratch / "run"
     run_dir.mkdir(exist_ok=True)

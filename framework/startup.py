@@ -25,6 +25,12 @@ def mark(phase: str) -> None:
     os.environ[VARIABLE] = json.dumps(marks)
 
 
+def count_from_now() -> None:
+    """A new run in a process that has run one before (the benchmark pool, a test running
+    several jobs in one pair of ranks): its start-up counts from here."""
+    os.environ[VARIABLE] = json.dumps({"began": time.time()})
+
+
 def count_from_now_unless_marked() -> None:
     """In a process forked from the long-lived fork server: its import time says nothing about
     this run, so a rank whose launcher left no marks (a test, a script) counts from its fork."""

@@ -200,6 +200,7 @@ def train_many(jobs: list[tuple[DictConfig, Path]], world_size: int = 2) -> list
 
 
 def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
+    from framework import startup
     from framework.context import DistEnv
     from framework.rank import run
 
@@ -207,6 +208,7 @@ def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
                   source="local")  # fmt: skip
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     for index, (cfg, run_dir) in enumerate(jobs):
+        startup.count_from_now()
         run(cfg, run_dir, env, dist.PrefixStore(f"job{index}", store))
 
 
