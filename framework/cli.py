@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import sys
 
-from framework import context
 from framework.launch import forkserver
 
 
 def main() -> None:
-    if isinstance(context.current(), context.Standalone) and forkserver.will_start_local_ranks(
-        sys.argv[1:]
-    ):
-        forkserver.warm_up()
+    forkserver.warm_up_if_forking(sys.argv[1:])
     # Imported here, after the fork server has started: importing it first is the cost this
     # module exists to overlap.
     from framework.train import main as train

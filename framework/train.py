@@ -112,8 +112,7 @@ def run_and_report(func):
 def main() -> None:
     startup.mark("imports")
     here = context.current()
-    if isinstance(here, context.Standalone) and forkserver.will_start_local_ranks(sys.argv[1:]):
-        forkserver.warm_up()  # imports the training stack while Hydra composes the config
+    forkserver.warm_up_if_forking(sys.argv[1:])  # (already running when cli.py started it)
     # Hydra instantiates its own node (callbacks, launcher, sweeper, logging factories) before
     # any callback of ours can look at it: check the command line before Hydra starts.
     try:

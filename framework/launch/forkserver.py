@@ -1,12 +1,13 @@
 """A fork server that has imported the training stack: local ranks start from it in tens of
 milliseconds instead of importing torch, torch._dynamo and the rest from scratch.
 
-`train` starts it before Hydra composes the config, so its imports (about as long as one
-`import torch._dynamo`) run while this process composes; the ranks of launcher=local are then
-forked from it, and take over the launcher's environment, working dir and output streams (the
-server's are the ones it started with).
-The launcher process itself never imports the training stack. (launcher=torchrun's agent spawns
-its workers: it sets their variables on top of the environment they start with.)
+The `train` script (framework/cli.py) starts it before importing anything heavy, so its imports
+(about as long as one `import torch._dynamo`) run while this process imports Hydra and composes
+the config; the ranks of launcher=local are then forked from it, and take over the launcher's
+environment, working dir and output streams (the server's are the ones it started with). The
+launcher process itself never imports the training stack (torch._dynamo and what is built on
+it). (launcher=torchrun's agent spawns its workers: it sets their variables on top of the
+environment they start with.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import sys
 from multiprocessing import reduction
 
-from framework import startup
+from framework import context, startup
 
 START_METHOD = "forkserver"
 # What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
@@ -29,6 +30,12 @@ def warm_up() -> None:
     """Start the fork server now, in the background (it imports PRELOAD once)."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
+
+
+def warm_up_if_forking(argv: list[str]) -> None:
+    """Start the fork server now when this command will fork local ranks from it."""
+    if isinstance(context.current(), context.Standalone) and will_start_local_ranks(argv):
+        warm_up()
 
 
 def will_start_local_ranks(argv: list[str]) -> bool:
