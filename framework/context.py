@@ -17,7 +17,6 @@ import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 # Derived rendezvous ports: 20000-32767, below Linux's ephemeral range (32768+).
@@ -206,22 +205,3 @@ def _detect_cached(launch_variables: tuple[tuple[str, str], ...]) -> LaunchConte
 def export_rendezvous(address: str, port: int) -> None:
     """Where torch's env:// initialisation finds rank 0 (MASTER_ADDR / MASTER_PORT)."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
-
-
-NVIDIA_DEVICES = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver sees
-
-
-def visible_cuda_devices(environ: Mapping[str, str] = os.environ) -> int:
-    """The GPUs this process may use, counted as torch.cuda.device_count() counts them but
-    without importing torch (the launcher never does): the driver's GPUs, narrowed by
-    CUDA_VISIBLE_DEVICES up to its first invalid entry (-1 hides them all)."""
-    installed = len(list(NVIDIA_DEVICES.iterdir())) if NVIDIA_DEVICES.is_dir() else 0
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return installed
-    count = 0
-    for entry in visible.split(","):
-        if not entry.strip() or entry.strip().startswith("-"):
-            break
-        count += 1
-    return min(count, installed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
+import torch
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
@@ -35,7 +36,7 @@ def output_dir(mode: str, checkpoint: str, split: str) -> str:
 
 def default_ranks() -> int:
     """launcher.nproc_per_node's default: one rank per visible GPU, else 2 ranks on CPU."""
-    return context.visible_cuda_devices() or 2
+    return torch.cuda.device_count() or 2
 
 
 def config_groups() -> str:

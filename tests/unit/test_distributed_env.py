@@ -51,19 +51,3 @@ def test_no_variables_is_one_process():
 def test_the_environment_value_cannot_change():
     with pytest.raises(dataclasses.FrozenInstanceError):
         DistEnv().rank = 1  # type: ignore[misc]
-
-
-@pytest.mark.parametrize(("visible", "expected"), [
-    (None, 4), ("", 0), ("0,2", 2), ("1,-1,2", 1), ("-1", 0), ("0,1,2,3,4,5", 4)])  # fmt: skip
-def test_visible_gpus_are_counted_as_torch_counts_them_without_importing_it(
-    tmp_path, monkeypatch, visible, expected
-):
-    from framework import context
-
-    for index in range(4):  # the driver's folder, one entry per GPU
-        (tmp_path / f"0000:0{index}:00.0").mkdir()
-    monkeypatch.setattr(context, "NVIDIA_DEVICES", tmp_path)
-    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
-    assert context.visible_cuda_devices(environ) == expected
-    monkeypatch.setattr(context, "NVIDIA_DEVICES", tmp_path / "no-driver")
-    assert context.visible_cuda_devices(environ) == 0
