@@ -106,8 +106,8 @@ def task_directions(cfg: DictConfig) -> dict[str, str]:
 def resolve_objective(objective: str | None, directions: dict[str, str]) -> tuple[str, str]:
     """(name, min | max) of `objective`; None picks the task's main metric (its first)."""
     known = {**directions, **RUN_METRICS}
-    name = next(iter(directions)) if objective is None else objective
     main = next(iter(directions))
+    name = main if objective is None else objective
     require(name in known, f"objective={objective!r} is not a metric this run reports: choose "
                            f"one of {', '.join(known)} (or null for {main})")  # fmt: skip
     return name, known[name]
