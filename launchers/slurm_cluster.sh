@@ -60,11 +60,11 @@ SlurmUser=root
 AuthType=auth/munge
 MailProg=/bin/true
 # A requeued job may not start again before its old launch credential expires: SLURM sets its
-# begin time to requeue + cred_expire + 1 s (default 120 s). 10 s keeps requeue tests short.
-AuthInfo=cred_expire=10
+# begin time to requeue + cred_expire + 1 s (default 120 s). 5 s keeps requeue tests short (slurmctld refuses 2 as invalid).
+AuthInfo=cred_expire=5
 # Nothing schedules a job the moment its begin time passes: the periodic main scheduling pass
-# does (default every 60 s; backfill skips cycles when no job or node changed). Every 5 s.
-SchedulerParameters=sched_interval=5
+# does (default every 60 s; backfill skips cycles when no job or node changed). Every second.
+SchedulerParameters=sched_interval=1
 # No cgroups here (containers, gVisor): track processes by parent pid, bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none

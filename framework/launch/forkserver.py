@@ -73,6 +73,10 @@ def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
     """In the rank, first thing: the launcher's environment, working dir and output streams."""
     os.environ.clear()
     os.environ.update(environ)
+    # A fork server's child inherits its start method: the rank's DataLoader workers would each
+    # start from a new fork server that imports torch from scratch (seconds per rank). They
+    # start as in a process started directly (the platform's default: fork on Linux).
+    multiprocessing.set_start_method(None, force=True)
     startup.count_from_now_unless_marked()
     os.chdir(cwd)
     sys.stdout.flush()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from tests.conftest import TINY, make_cfg, train_losses, train_many
+import pytest
+from torch.utils.data import DataLoader, Dataset
+
+from tests.conftest import TINY, make_cfg, start_ranks, train_losses, train_many
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -20,3 +23,24 @@ def test_channels_last_and_compile_learn_what_the_eager_default_learns(tmp_path)
         assert train_losses(tmp_path / name) == pytest.approx(eager, rel=1e-4), name
         assert summaries[name]["val/accuracy"] == pytest.approx(
             summaries["eager"]["val/accuracy"], abs=0.02)
+
+
+class _ParentPids(Dataset):
+    """Each item: the pid of the process that started the DataLoader worker reading it."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> int:
+        return os.getppid()
+
+
+def _read_with_two_workers(rank: int) -> None:
+    parents = [int(pid) for pid in DataLoader(_ParentPids(), batch_size=1, num_workers=2)]
+    assert parents == [os.getpid()] * 2, "workers did not fork from the rank"
+
+
+def test_a_ranks_data_loader_workers_fork_from_the_rank_instead_of_importing_torch_again():
+    """Ranks are forked from the launcher's fork server, whose start method a child inherits:
+    each rank's workers would come from a new fork server that imports torch from scratch."""
+    start_ranks(_read_with_two_workers, ())
