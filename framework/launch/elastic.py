@@ -18,7 +18,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from framework import context
+from framework import context, startup
+from framework.launch import forkserver
 from framework.outcomes import Stopped, root_cause
 from framework.stopping import stop_signal_names
 
@@ -41,15 +42,16 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         rdzv_configs={"rank": launcher.node_rank} if launcher.nnodes > 1 else {},
         max_restarts=launcher.max_restarts,
         monitor_interval=launcher.monitor_interval_s,
-        # Spawned: the agent passes each worker its variables on top of the environment the
-        # worker starts with, which for a fork server's child is the server's, not ours.
-        start_method="spawn",
+        # Forked from the fork server that has the training stack imported (forkserver.adopt
+        # keeps the variables the agent sets on top of the launcher's environment).
+        start_method=forkserver.START_METHOD,
         # The agent passes these on to the ranks; by default it dies on SIGUSR1/2 instead and
         # leaves its workers running.
         signals_to_handle=",".join(stop_signal_names(list(cfg.trainer.stop_signals))),
     )
     try:
-        elastic_launch(config, _elastic_worker)(cfg, run_dir)
+        forkserver.warm_up()  # (already running when `train` started it)
+        elastic_launch(config, _elastic_worker)(cfg, run_dir, *forkserver.launcher_context())
     except ChildFailedError as error:
         codes = [0] * (launcher.nproc_per_node * launcher.nnodes)
         for rank, failure in error.failures.items():
@@ -63,11 +65,17 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         shutil.rmtree(agent_logs, ignore_errors=True)
 
 
-def _elastic_worker(cfg: DictConfig, run_dir: Path) -> None:
+def _elastic_worker(cfg: DictConfig, run_dir: Path, environ: dict[str, str], cwd: str,
+                    stdio: list[int]) -> None:  # fmt: skip
+    forkserver.adopt(environ, cwd, stdio)
+    here = context.current()
+    if here.restarted():  # the launcher's marks are those of the first round
+        startup.count_from_now()
+    startup.mark("start ranks")
     # Imported in the rank (the fork server has it loaded): the launcher never needs it.
     from framework.launch.worker import run_worker
 
     # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra,
     # so this rank must not wait for another rank's config the way an external torchrun does.
-    env = dataclasses.replace(context.current().dist_env(), source="elastic")
+    env = dataclasses.replace(here.dist_env(), source="elastic")
     run_worker(cfg, run_dir, env)

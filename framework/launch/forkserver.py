@@ -3,11 +3,11 @@ milliseconds instead of importing torch, torch._dynamo and the rest from scratch
 
 The `train` script (framework/cli.py) starts it before importing anything heavy, so its imports
 (about as long as one `import torch._dynamo`) run while this process imports Hydra and composes
-the config; the ranks of launcher=local are then forked from it, and take over the launcher's
-environment, working dir and output streams (the server's are the ones it started with). The
-launcher process itself never imports the training stack (torch._dynamo and what is built on
-it). (launcher=torchrun's agent spawns its workers: it sets their variables on top of the
-environment they start with.)
+the config; the ranks of launcher=local and launcher=torchrun (the elastic agent's workers) are
+then forked from it, and take over the launcher's environment, working dir and output streams
+(the server's are the ones it started with), keeping what their starter set on top (the
+agent's RANK, WORLD_SIZE, TORCHELASTIC_*...). The launcher process itself never imports the
+training stack (torch._dynamo and what is built on it).
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ from framework import context, startup
 
 START_METHOD = "forkserver"
 # What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
-# the tasks, models and data sets), and the plots rank 0 draws at the end.
-PRELOAD = ["framework.launch.worker", "matplotlib.pyplot"]
+# the tasks, models and data sets), and the plots rank 0 draws at the end. This module first:
+# its copy of the server's environment is what a rank compares with (adopt).
+PRELOAD = ["framework.launch.forkserver", "framework.launch.worker", "matplotlib.pyplot"]
+# In the fork server (imported there first, by PRELOAD): the environment its children start
+# with. Elsewhere unused.
+_SERVER_ENVIRON = dict(os.environ)
 
 
 def warm_up() -> None:
@@ -44,8 +48,8 @@ def will_start_local_ranks(argv: list[str]) -> bool:
     if any(arg.startswith(("--cfg", "--help", "-h", "--info", "--hydra-help", "-c")) or
            arg in ("--shell-completion", "-sc") for arg in argv):  # fmt: skip
         return False
-    return not any(arg in ("launcher=slurm", "launcher=slurm_local", "launcher=torchrun",
-                           "launcher.nproc_per_node=1") for arg in argv)  # fmt: skip
+    return not any(arg in ("launcher=slurm", "launcher=slurm_local", "launcher.nproc_per_node=1")
+                   for arg in argv)  # fmt: skip
 
 
 class _LaunchersFd:
@@ -70,9 +74,13 @@ def launcher_context() -> tuple[dict[str, str], str, list[_LaunchersFd]]:
 
 
 def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
-    """In the rank, first thing: the launcher's environment, working dir and output streams."""
+    """In the rank, first thing: the launcher's environment, working dir and output streams,
+    plus what was set in this process since its fork (the elastic agent's variables)."""
+    set_since_fork = {name: value for name, value in os.environ.items()
+                      if _SERVER_ENVIRON.get(name) != value}  # fmt: skip
     os.environ.clear()
     os.environ.update(environ)
+    os.environ.update(set_since_fork)
     # A fork server's child inherits its start method: the rank's DataLoader workers would each
     # start from a new fork server that imports torch from scratch (seconds per rank). They
     # start as in a process started directly (the platform's default: fork on Linux).
