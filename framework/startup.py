@@ -31,6 +31,12 @@ def count_from_now() -> None:
     os.environ[VARIABLE] = json.dumps({"began": time.time()})
 
 
+def count_from_this_process() -> None:
+    """A SLURM task: the submitting command's marks came along in the job's environment, but
+    the job may have waited in the queue since; its start-up counts from its own start."""
+    os.environ[VARIABLE] = json.dumps({"began": IMPORTED_AT})
+
+
 def count_from_now_unless_marked() -> None:
     """In a process forked from the long-lived fork server: its import time says nothing about
     this run, so a rank whose launcher left no marks (a test, a script) counts from its fork."""

@@ -40,11 +40,13 @@ from framework.targets import check_command_line
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_app(cfg: DictConfig) -> float | None:
     """Hydra's task function: validated, resolved once, then handed to the launcher."""
+    here = context.current()
+    if isinstance(here, context.SubmititTask):
+        startup.count_from_this_process()
     startup.mark("compose")
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep_job = hydra_cfg.mode == RunMode.MULTIRUN
-    here = context.current()
     if here.is_follower and isinstance(here, context.SubmititTask):
         from framework.launch.submitit import run_follower  # a rank (framework/launch docstring)
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(MISSING is not None, reason=s
 SLURM = ("launcher=slurm", "launcher.tasks_per_node=2", "launcher.timeout_min=10")
 
 
-def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_with_the_losses_of_a_local_run(tmp_path):
+def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_with_the_losses_of_a_local_run(
+    cli, tmp_path
+):
     result = run_cli("-m", *SLURM, "optimizer.lr=0.1,0.05", *TINY_CLI, cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     sweep = sweep_dir(tmp_path)
@@ -46,16 +50,34 @@ def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_with_the_losses_of_a_lo
     logs = sorted(path.name for path in sweep.glob(".submitit/*/*_log.err"))
     array_id = logs[0].split("_")[0]
     assert logs == [f"{array_id}_{job}_{task}_log.err" for job in (0, 1) for task in (0, 1)]
+    for job in (0, 1):  # the second job waited in the queue for the first
+        logged, since_task_start = _startup_of(sweep / ".submitit" / f"{array_id}_{job}")
+        assert logged <= since_task_start + 2.0  # (the rank's log times are whole seconds)
 
     local = tmp_path / "local"
-    reference = run_cli(*TINY_CLI, "optimizer.lr=0.1", f"hydra.run.dir={local}", cwd=tmp_path)
+    reference = cli(*TINY_CLI, "optimizer.lr=0.1", f"hydra.run.dir={local}", cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert train_losses(sweep / "0") == train_losses(local)
     assert read_metrics(sweep / "0")[-1]["val/accuracy"] == read_metrics(local)[-1]["val/accuracy"]
 
 
-def test_a_missing_partition_is_refused_before_anything_is_submitted(tmp_path):
-    result = run_cli(*SLURM, "launcher.partition=nope", *TINY_CLI, cwd=tmp_path)
+def _startup_of(task_logs: Path) -> tuple[float, float]:
+    """Rank 0's start-up line ("start-up: 9.8 s to the first step"), and the seconds from the
+    moment submitit started the task to the moment that line was logged: a task counts its
+    start-up from its own start, not from the command that submitted it."""
+    out = next(task_logs.glob("*_0_log.out")).read_text()
+    started = re.search(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\) - Starting with", out)
+    started_at = datetime.strptime(started.group(1), "%Y-%m-%d %H:%M:%S,%f")
+    err = next(task_logs.glob("*_0_log.err")).read_text()
+    line = re.search(r"\[(\d\d:\d\d:\d\d)\]\[rank 0\] start-up: ([\d.]+) s to the first step", err)
+    clock = datetime.strptime(line.group(1), "%H:%M:%S").time()
+    logged_at = datetime.combine(started_at.date(), clock)
+    since_start = (logged_at - started_at).total_seconds() % 86400  # (past midnight)
+    return float(line.group(2)), since_start
+
+
+def test_a_missing_partition_is_refused_before_anything_is_submitted(cli, tmp_path):
+    result = cli(*SLURM, "launcher.partition=nope", *TINY_CLI, cwd=tmp_path)
     assert result.returncode == 2
     assert "launcher.partition=nope: nope does not exist" in result.stderr
     assert "choose from debug" in result.stderr
