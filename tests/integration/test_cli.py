@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DIST_ENV_VARS, REPO, read_metrics, run_cli, train_losses
+from tests.conftest import DIST_ENV_VARS, REPO, read_metrics, train_losses
 
 pytestmark = pytest.mark.slow
 QUICK = ("trainer.max_epochs=1", "trainer.log_every=5")
@@ -50,7 +50,7 @@ def test_default_experiment_reaches_95_percent_in_under_a_minute_and_only_rank_0
     assert not any(key.startswith("module.") for key in final["model"])
 
 
-def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(tmp_path):
+def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(cli, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
     torchrun = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -62,7 +62,7 @@ def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(tm
     assert not list(Path("/tmp").glob("framework-rank*"))  # rank 1's throwaway dir is gone
 
     local = tmp_path / "local"
-    result = run_cli(*QUICK, f"hydra.run.dir={local}", cwd=tmp_path)
+    result = cli(*QUICK, f"hydra.run.dir={local}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert train_losses(torchrun_dir) == train_losses(local)
 

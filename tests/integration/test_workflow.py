@@ -128,7 +128,7 @@ def test_mode_eval_with_other_model_settings_is_refused_naming_the_run_command(c
 LOGGERS = ("logger=[tensorboard,csv,mlflow]",)
 
 
-def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_runs(tmp_path):
+def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_runs(cli, tmp_path):
     """Stopped by SIGTERM at step 10 and run again: one MLflow run, one CSV and one
     TensorBoard log holding steps 1-30 once, as metrics.jsonl does."""
     from mlflow.tracking import MlflowClient
@@ -139,7 +139,7 @@ def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_ru
             f"hydra.run.dir={tmp_path / 'run'}", "+data.api_token=PLANTED-SECRET-1")
     stopped = run_cli(*args, cwd=tmp_path, env={FAULT_ENV: "parent-SIGTERM:0:9"})
     assert stopped.returncode == ExitCode.STOPPED, stopped.stderr[-3000:]
-    resumed = run_cli(*args, cwd=tmp_path, env={FAULT_ENV: None})
+    resumed = cli(*args, cwd=tmp_path, env={FAULT_ENV: None})  # (the signal needed a process)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run_dir = tmp_path / "run"
     steps = list(range(1, 31))
