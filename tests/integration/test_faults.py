@@ -60,6 +60,19 @@ def test_torchrun_restarts_after_a_rank_is_sigkilled_and_ends_with_the_uninterru
     assert not processes_mentioning(str(tmp_path))
 
 
+def test_launcher_torchrun_restarts_a_sigkilled_rank_forked_with_the_agents_variables(
+    cli, tmp_path, fault_references
+):
+    """launcher=torchrun forks the agent's workers from the fork server: the restarted round
+    must see the agent's TORCHELASTIC_RESTART_COUNT (the fault fires only in round 0)."""
+    run_dir = tmp_path / "run"
+    overrides = ("launcher=torchrun", "launcher.max_restarts=1", f"hydra.run.dir={run_dir}")
+    result = cli(*FAULTS, *overrides, cwd=tmp_path, env={FAULT_ENV: "kill:1:11"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stderr and "step_00000008.pt" in result.stderr
+    assert_same_weights(final_weights(run_dir), final_weights(fault_references["allreduce"]))
+
+
 def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_same_command_resumes(
     cli, tmp_path, fault_references
 ):
