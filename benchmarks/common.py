@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from framework.launch import forkserver
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 CONF_DIR = REPO / "conf"
@@ -157,10 +159,12 @@ def run_pool(
     if all(trial.work.device == "cpu" for trial in schedule):
         # `train` picks a GPU whenever one is visible; CPU work must stay on the CPU.
         env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}
+    forkserver.warm_up()  # the ranks fork from it, as `train`'s do: one import of torch, not two
     context = mp.start_processes(
         _pool_worker,
-        args=(store.port, nprocs, schedule, contenders, scratch, namespaces, env or {}),
-        nprocs=nprocs, join=False, start_method="spawn",
+        args=(store.port, nprocs, schedule, contenders, scratch, namespaces, env or {},
+              *forkserver.launcher_context()),
+        nprocs=nprocs, join=False, start_method=forkserver.START_METHOD,
     )  # fmt: skip
     results: list[dict[str, Any]] = []
     try:
@@ -192,7 +196,9 @@ def _wait_for_result(store, context, index: int, trial: Trial, nprocs: int) -> d
     return json.loads(store.get(f"result/{index}"))
 
 
-def _pool_worker(rank, port, nprocs, schedule, contenders, scratch, namespaces, env) -> None:
+def _pool_worker(rank, port, nprocs, schedule, contenders, scratch, namespaces, env, environ, cwd,
+                 stdio) -> None:  # fmt: skip
+    forkserver.adopt(environ, cwd, stdio)
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, whatever the shell exported
     torch.set_num_threads(1)
