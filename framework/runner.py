@@ -136,6 +136,7 @@ class Runner:
         # trainer.on_nonfinite=skip drops a step's update on the device where the optimizer
         # takes GradScaler's found_inf (torch's fused SGD/Adam/AdamW); others need a host read.
         self.skip_on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
+        self._one = torch.ones((), device=device)  # the "scale" of the gradient check
         self._true = torch.ones((), dtype=torch.bool, device=device)
         self.state = TrainState()
         self.window = _Window(device, extras=task.train_sums)
@@ -259,9 +260,9 @@ class Runner:
                 totals[position] += loss.sums[name]
         totals[1] += sum(counts)
         agreed_signal = self.signals.exchange()
-        loss_finite, grads_finite = torch.isfinite(totals[0]), self._grads_finite()
-        applied = self._apply_update(grads_finite)
-        self.watch.add(self.state.step + 1, loss_finite, grads_finite,
+        found_inf = self._grads_found_inf()
+        applied = self._apply_update(found_inf)
+        self.watch.add(self.state.step + 1, totals, found_inf,
                        dropped=None if applied is None else ~applied)  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -270,22 +271,21 @@ class Runner:
         kept = totals if applied is None else torch.where(applied, totals, 0.0)
         return kept, agreed_signal
 
-    def _apply_update(self, grads_finite: torch.Tensor) -> torch.Tensor | None:
+    def _apply_update(self, found_inf: torch.Tensor | None) -> torch.Tensor | None:
         """The optimizer step (and the EMA's). With trainer.on_nonfinite=skip the update is
         dropped where the gradients are non-finite; returns whether it was applied (a device
         flag), or None under `stop` (nothing after it is ever saved)."""
         clip = self.cfg.clip_grad_norm
-        if self.nonfinite.stops:
+        if self.nonfinite.stops or found_inf is None:  # (None: amp's scaler skips it itself)
             self.precision.step(self.optimizer, self.params, clip)
-            applied = None
+            applied = None if self.nonfinite.stops else self._true
         elif self.skip_on_device:
-            self.precision.step(self.optimizer, self.params, clip,
-                                found_inf=(~grads_finite).float())  # fmt: skip
-            applied = grads_finite
+            self.precision.step(self.optimizer, self.params, clip, found_inf=found_inf)
+            applied = found_inf == 0
         else:  # an optimizer that cannot skip on the device: one host read per step
-            if bool(grads_finite):
+            applied = found_inf == 0
+            if bool(applied):
                 self.precision.step(self.optimizer, self.params, clip)
-            applied = grads_finite
         if self.ema is not None:
             self.ema.update(self.module, applied)
         return applied
@@ -304,15 +304,19 @@ class Runner:
         total = all_reduce_sum(local.to(self.device, non_blocking=True))  # one small collective
         return self.env.world_size / total.clamp_min(1.0)
 
-    def _grads_finite(self) -> torch.Tensor:
-        """A device flag. After DDP's synchronisation the gradients are identical on every
-        rank, so this rank's answer is every rank's, at the same step, with no exchange."""
-        if self.precision.skips_nonfinite_grads:  # amp's GradScaler skips inf gradients itself
-            return self._true
+    def _grads_found_inf(self) -> torch.Tensor | None:
+        """A device flag as GradScaler makes it (1.0: some gradient is inf or NaN), found in
+        one fused pass by GradScaler's own check with the scale 1 (a multiplication by 1 leaves
+        every gradient bit-identical). None under amp, whose scaler checks and skips itself.
+        After DDP's synchronisation the gradients are identical on every rank, so this rank's
+        answer is every rank's, at the same step, with no exchange."""
+        if self.precision.skips_nonfinite_grads:
+            return None
+        found_inf = torch.zeros((), device=self.device)
         grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return self._true
-        return torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self._one)
+        return found_inf
 
     def look_for_nonfinite(self) -> None:
         """Collective, before anything is logged or saved: a non-finite loss or gradient since

@@ -132,12 +132,12 @@ class NonFiniteReport:
 
 
 class NonFiniteWatch:
-    """Keeps, on the device, each step's flags (loss finite, gradients finite, update dropped);
-    the host reads them only where it looks anyway (logging steps, checkpoint saves, the end),
-    as one record per rank (first and last bad step, what was bad at the first, updates
-    dropped) in one all-reduce of every rank's record. A step costs one small device op. A loss
-    may go bad on one rank alone; the gradients, synchronised by DDP, go bad on every rank at
-    once."""
+    """Keeps each step's device tensors (its loss, the gradient check's flag, whether the update
+    was dropped); the host reads them only where it looks anyway (logging steps, checkpoint
+    saves, the end), as one record per rank (first and last bad step, what was bad at the
+    first, updates dropped) in one all-reduce of every rank's record. A step costs no device
+    op: the tensors are checked together when folded. A loss may go bad on one rank alone; the
+    gradients, synchronised by DDP, go bad on every rank at once."""
 
     FIELDS = 5  # first bad step, last bad step, loss bad then, gradients bad then, dropped
     FOLD_EVERY = 1024  # steps whose flags are folded into the record, between two looks
@@ -146,34 +146,42 @@ class NonFiniteWatch:
         self.env = env
         self.record = torch.zeros(self.FIELDS, dtype=torch.int64, device=device)
         self.steps: list[int] = []
-        self.flags: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []
+        self.found_inf: list[torch.Tensor] = []
+        self.dropped: list[torch.Tensor] = []
+        self._none_found = torch.zeros((), device=device)
         self._kept = torch.tensor(False, device=device)
 
-    def add(self, step: int, loss_finite: torch.Tensor, grads_finite: torch.Tensor,
+    def add(self, step: int, loss: torch.Tensor, found_inf: torch.Tensor | None,
             dropped: torch.Tensor | None) -> None:  # fmt: skip
-        """Step `step` (1-based): all on the device, no host read."""
+        """Step `step` (1-based): its loss (a tensor of the same shape at every step, the loss
+        first), the gradient check's flag (1.0: inf/NaN; None: not checked) and whether its
+        update was dropped (None: never). Kept as they are: no device op, no host read."""
         self.steps.append(step)
-        self.flags.append(torch.stack((loss_finite, grads_finite,
-                                       self._kept if dropped is None else dropped)))  # fmt: skip
-        if len(self.flags) == self.FOLD_EVERY:
+        self.losses.append(loss)
+        self.found_inf.append(self._none_found if found_inf is None else found_inf)
+        self.dropped.append(self._kept if dropped is None else dropped)
+        if len(self.steps) == self.FOLD_EVERY:
             self.record = self._merged(self.record, self._fold())
 
     def _fold(self) -> torch.Tensor:
         """The record of the steps added since the last fold, on the device."""
-        if not self.flags:
+        if not self.steps:
             return torch.zeros_like(self.record)
-        flags = torch.stack(self.flags)
-        steps = torch.tensor(self.steps, dtype=torch.int64).to(self.record.device,
-                                                                  non_blocking=True)  # fmt: skip
-        self.steps, self.flags = [], []
-        loss_bad, grads_bad = ~flags[:, 0], ~flags[:, 1]
+        device = self.record.device
+        losses = torch.stack(self.losses).reshape(len(self.losses), -1)[:, 0]  # (same shapes)
+        loss_bad = ~torch.isfinite(losses)
+        grads_bad = torch.stack(self.found_inf).reshape(-1) != 0
+        dropped = torch.stack(self.dropped).reshape(-1)
+        steps = torch.tensor(self.steps, dtype=torch.int64).to(device, non_blocking=True)
+        self.steps, self.losses, self.found_inf, self.dropped = [], [], [], []
         bad = loss_bad | grads_bad
         any_bad = bad.any()
         first = torch.argmax(bad.to(torch.int8))  # the first maximum's index
         last = len(steps) - 1 - torch.argmax(bad.flip(0).to(torch.int8))
         at_first = torch.stack((steps[first], steps[last], loss_bad[first].long(),
                                 grads_bad[first].long()))  # fmt: skip
-        return torch.cat((torch.where(any_bad, at_first, 0), flags[:, 2].long().sum().view(1)))
+        return torch.cat((torch.where(any_bad, at_first, 0), dropped.long().sum().view(1)))
 
     @staticmethod
     def _merged(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ for a sequence of steps, whether the steps were folded into the record on the wa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,12 +14,19 @@ from framework.stopping import NonFiniteWatch
 T, F = torch.tensor(True), torch.tensor(False)
 
 
+def add(watch: NonFiniteWatch, step: int, loss_finite: torch.Tensor, grads_finite: torch.Tensor,
+        dropped: torch.Tensor | None) -> None:  # fmt: skip
+    """A step as the runner adds it: its [loss sum, item count] and the gradient check's flag."""
+    loss = torch.tensor([2.5 if loss_finite else math.nan, 32.0], dtype=torch.float64)
+    watch.add(step, loss, torch.tensor(0.0 if grads_finite else 1.0), dropped)
+
+
 def watched(steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], fold_every: int,
             monkeypatch) -> NonFiniteWatch:  # fmt: skip
     monkeypatch.setattr(NonFiniteWatch, "FOLD_EVERY", fold_every)
     watch = NonFiniteWatch(DistEnv(), torch.device("cpu"))
     for step, (loss_finite, grads_finite, dropped) in enumerate(steps, start=1):
-        watch.add(step, loss_finite, grads_finite, dropped)
+        add(watch, step, loss_finite, grads_finite, dropped)
     return watch
 
 
@@ -41,7 +50,7 @@ def test_gradients_bad_at_the_first_bad_step_and_no_drops_under_stop(monkeypatch
 def test_nothing_bad_no_report_and_a_look_starts_afresh(monkeypatch):
     watch = watched([(T, T, F)] * 5, 2, monkeypatch)
     assert watch.look() is None
-    watch.add(6, F, T, F)
+    add(watch, 6, F, T, F)
     assert watch.look().step == 6
-    watch.add(7, T, T, F)
+    add(watch, 7, T, T, F)
     assert watch.look() is None  # step 6 was reported by the look before
