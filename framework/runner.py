@@ -194,7 +194,7 @@ class Runner:
                     self._log_startup()
                 window.add(step_totals)
                 progress.update()
-                if self.state.step % self.cfg.log_every == 0 or self.finished():
+                if self.logs_at(self.state.step):
                     self.log_train(window, lr)
                 # The last step's evaluation is the final one, after the final save.
                 if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0 and \
@@ -259,10 +259,11 @@ class Runner:
             for position, name in enumerate(self.task.train_sums, start=2):
                 totals[position] += loss.sums[name]
         totals[1] += sum(counts)
-        agreed_signal = self.signals.exchange()
+        step = self.state.step + 1
+        agreed_signal = self.signals.exchange(step, logging=self.logs_at(step))
         found_inf = self._grads_found_inf()
         applied = self._apply_update(found_inf)
-        self.watch.add(self.state.step + 1, totals, found_inf,
+        self.watch.add(step, totals, found_inf,
                        dropped=None if applied is None else ~applied)  # fmt: skip
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -331,6 +332,9 @@ class Runner:
 
     def epochs_done(self) -> float:
         return round(self.state.step / max(self.steps_per_epoch, 1), 4)
+
+    def logs_at(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0 or step >= self.total_steps
 
     def finished(self) -> bool:
         return self.state.step >= self.total_steps

@@ -78,3 +78,21 @@ def test_nonfinite_skip_drops_that_update_on_every_rank_and_powersgd_memory_stay
     for rank_state in saved["ranks"]:
         assert all(torch.isfinite(t).all() for t in rank_state["comm"]["errors"].values())
     assert summary["val/loss"] < 2.3
+
+
+def test_a_signal_between_logging_steps_on_fast_steps_stops_every_rank_at_one_step(
+    tmp_path, monkeypatch
+):
+    """Steps of a few ms and no log for 200 steps: the ranks exchange their flags only every
+    ~0.05 s, and still stop together with one checkpoint that resumes bit-identically."""
+    quiet = ("trainer.max_steps=200", "trainer.log_every=200", "checkpoint.every=0")
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    train_in_process(make_cfg(*FAULTS, *quiet), reference)
+    monkeypatch.setenv(FAULT_ENV, "SIGUSR1:1:10")
+    with pytest.raises(ReportedStop):
+        train_in_process(make_cfg(*FAULTS, *quiet), run_dir)
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert 10 < saved["step"] < 200 and len(saved["ranks"]) == 2
+    monkeypatch.delenv(FAULT_ENV)
+    train_in_process(make_cfg(*FAULTS, *quiet), run_dir)
+    assert_same_weights(final_weights(run_dir), final_weights(reference))

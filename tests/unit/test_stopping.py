@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from framework import stopping
 from framework.context import DistEnv
-from framework.stopping import NonFiniteWatch
+from framework.stopping import NonFiniteWatch, SignalExchange, StopRequests
 
 T, F = torch.tensor(True), torch.tensor(False)
 
@@ -54,3 +55,40 @@ def test_nothing_bad_no_report_and_a_look_starts_afresh(monkeypatch):
     assert watch.look().step == 6
     add(watch, 7, T, T, F)
     assert watch.look() is None  # step 6 was reported by the look before
+
+
+class _Clock:
+    """time.perf_counter for the exchange: `step_s` seconds per step."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.step = step_s, 0
+
+    def __call__(self) -> float:
+        return self.step * self.step_s
+
+
+@pytest.mark.parametrize(("step_s", "apart"), [(0.001, 50), (0.0001, 64), (0.2, 1)])
+def test_exchanges_are_spaced_by_time_and_a_signal_is_agreed_within_two_of_them(
+    monkeypatch, step_s, apart
+):
+    """Steps of 1 ms: an exchange every 50 steps (0.05 s), and logging steps; a stop requested
+    at step 130 is agreed at most two exchanges later. Slow steps: every step."""
+    clock = _Clock(step_s)
+    monkeypatch.setattr(stopping.time, "perf_counter", clock)
+    requests = StopRequests([])
+    exchange = SignalExchange(DistEnv(), requests)
+    exchanged, agreed_at = [], None
+    for step in range(1, 400):
+        clock.step = step
+        if step == 130:
+            requests.signal_name = "SIGTERM"
+        before = exchange.pending
+        if exchange.exchange(step, logging=step % 100 == 0) == "SIGTERM" and agreed_at is None:
+            agreed_at = step
+        if exchange.pending is not before:
+            exchanged.append(step)
+    # Between two exchanges that are not logging steps (the first ones measure the steps).
+    steady = [b - a for a, b in zip(exchanged, exchanged[1:], strict=False) if a > 3 and b % 100]
+    assert set(steady) == {apart}
+    assert all(step in exchanged for step in (100, 200, 300))  # logging steps
+    assert 130 < agreed_at <= 130 + 2 * apart
