@@ -7,7 +7,7 @@ small CNN on scikit-learn's digits), against the floor, one process importing wh
 Contenders, alternated round by round:
 - floor:              python -c "import torch._dynamo"
 - train:              train trainer.max_steps=1 (launcher=local: ranks from a preloaded fork server)
-- train torchrun:     train launcher=torchrun trainer.max_steps=1 (the elastic agent spawns)
+- train torchrun:     train launcher=torchrun trainer.max_steps=1 (agent's workers: the same)
 - external torchrun:  torchrun --nproc_per_node=2 -m framework.train trainer.max_steps=1
 - plain torchrun:     torchrun --nproc_per_node=2 benchmarks/plain_torchrun.py (a hand-written
                       DDP loop on the same work, 1 step)
