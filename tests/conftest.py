@@ -136,10 +136,17 @@ def cli(capfd, monkeypatch):
 
 def pytest_configure(config) -> None:
     """The fork server the tests' ranks start from: its imports run while pytest collects, in
-    an environment outside any job."""
+    an environment outside any job. Not in pytest-xdist's controller, which runs no test: each
+    worker starts its own."""
     for name in DIST_ENV_VARS:
         os.environ.pop(name, None)
+    if _is_xdist_controller(config):
+        return
     forkserver.warm_up()
+
+
+def _is_xdist_controller(config) -> bool:
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
 
 
 @pytest.fixture(autouse=True)

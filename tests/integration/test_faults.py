@@ -24,9 +24,12 @@ STOPPED, INTERRUPTED = ExitCode.STOPPED, ExitCode.INTERRUPTED
 def processes_mentioning(text: str) -> list[str]:
     """Command lines of live processes that mention `text` (a test's unique tmp path) or work
     in it: a rank forked from a fork server has the server's command line, and the launcher's
-    working dir."""
+    working dir. Not this process: an in-process `train` (the cli fixture) works in the test's
+    tmp path too, and a pytest-xdist worker's command line does not say pytest."""
     found = []
     for process in Path("/proc").glob("[0-9]*"):
+        if process.name == str(os.getpid()):
+            continue
         try:
             line = (process / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             cwd = os.readlink(process / "cwd")
