@@ -57,7 +57,7 @@ def warm_up() -> None:
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        del os.environ[_SERVER_MARK]
+        os.environ.pop(_SERVER_MARK, None)
 
 
 def warm_up_if_forking(argv: list[str]) -> None:
