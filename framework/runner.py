@@ -319,13 +319,15 @@ class Runner:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self._one)
         return found_inf
 
-    def look_for_nonfinite(self) -> None:
+    def look_for_nonfinite(self, rider: torch.Tensor | None = None) -> list[float]:
         """Collective, before anything is logged or saved: a non-finite loss or gradient since
-        the last look stops the run (nothing after it is written) or is reported as skipped."""
-        report = self.watch.look()
+        the last look stops the run (nothing after it is written) or is reported as skipped.
+        `rider` is summed over the ranks in the same all-reduce and returned."""
+        report, summed = self.watch.look_carrying(rider)
         if report is not None:
             self.nonfinite.handle(report, self.epoch_of, self.checkpointer.last_path)
             self.state.nonfinite_skipped += report.dropped
+        return summed
 
     def epoch_of(self, step: int) -> int:
         return (step - 1) // max(self.steps_per_epoch, 1)
@@ -410,9 +412,9 @@ class Runner:
 
     # --- sinks ------------------------------------------------------------------------------
     def log_train(self, window: _Window, lr: float) -> None:
-        self.look_for_nonfinite()
-        # The window's sums over all ranks, per item: the logging step's read of the device.
-        loss, count, *sums = all_reduce_sum(window.totals.clone()).tolist()
+        # The window's sums over all ranks ride on the look's all-reduce: the logging step's
+        # one collective and one read of the device.
+        loss, count, *sums = self.look_for_nonfinite(rider=window.totals)
         per_item = {f"train/{name}": value / max(count, 1)
                     for name, value in zip(self.task.train_sums, sums, strict=True)}  # fmt: skip
         steps, seconds = window.steps, window.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import torch.multiprocessing as mp
 
 from framework.context import DistEnv
 from framework.distributed import process_group
-from tests.conftest import start_ranks
+from tests.conftest import spawn_ranks, start_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -39,3 +40,35 @@ def test_a_rank_stuck_in_a_collective_fails_after_dist_timeout_s_and_the_group_i
     assert 1.5 < seconds < 5.5, (seconds, message)  # the 2 s timeout, not the 10 min default
     assert results["initialized_after_0"] is False  # destroyed on the exception path
     assert results["initialized_after_1"] is False
+
+
+def _look_carrying_window_sums(rank: int, world_size: int) -> None:
+    from framework.stopping import NonFiniteWatch
+
+    env = DistEnv(rank=rank, world_size=world_size, local_world_size=world_size, source="local")
+    watch = NonFiniteWatch(env, torch.device("cpu"))
+    for step in (1, 2, 3):
+        loss_sum = math.nan if (rank, step) == (1, 2) else 1.5 * (rank + 1)
+        watch.add(step, torch.tensor([loss_sum, 32.0], dtype=torch.float64), torch.tensor(0.0),
+                  None)  # fmt: skip
+    window = torch.tensor([10.0 * (rank + 1), 96.0, 2**40 + rank], dtype=torch.float64)
+    collectives = []
+    original = dist.all_reduce
+    dist.all_reduce = lambda tensor, *args, **kwargs: (collectives.append(tensor.numel()),
+                                                       original(tensor, *args, **kwargs))[1]
+    try:
+        report, summed = watch.look_carrying(window)
+    finally:
+        dist.all_reduce = original
+    assert collectives == [world_size * NonFiniteWatch.FIELDS + 3]  # one all-reduce, not two
+    assert summed == [30.0, 192.0, 2.0**41 + 1]  # every rank's window, added exactly
+    assert (report.step, report.loss_ranks, report.gradients, report.last_step) == (2, [1], False,
+                                                                                    2)
+    assert window.tolist() == [10.0 * (rank + 1), 96.0, 2**40 + rank]  # the rider is untouched
+
+
+def test_a_logging_steps_look_carries_the_window_sums_in_its_one_all_reduce():
+    """The logging step's two reductions (the non-finite records, the loss window) travel as
+    one all-reduce: a rank's NaN loss is reported with its step and rank, and the window sums
+    are every rank's added, exact as float64."""
+    spawn_ranks(_look_carrying_window_sums)

@@ -84,7 +84,7 @@ def test_a_signal_between_logging_steps_on_fast_steps_stops_every_rank_at_one_st
     tmp_path, monkeypatch
 ):
     """Steps of a few ms and no log for 200 steps: the ranks exchange their flags only every
-    ~0.05 s, and still stop together with one checkpoint that resumes bit-identically."""
+    ~0.25 s, and still stop together with one checkpoint that resumes bit-identically."""
     quiet = ("trainer.max_steps=200", "trainer.log_every=200", "checkpoint.every=0")
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
     train_in_process(make_cfg(*FAULTS, *quiet), reference)
