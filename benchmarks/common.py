@@ -82,7 +82,7 @@ class Work:
 
 def build_model(work: Work) -> torch.nn.Module:
     """The models the config groups build, for the contenders that are not ours."""
-    from framework.models import SmallCNN, resnet18_cifar, resnet50
+    from framework.components.models import SmallCNN, resnet18_cifar, resnet50
 
     builders = {"cnn": SmallCNN, "resnet18": resnet18_cifar, "resnet50": resnet50}
     return builders[work.model](in_channels=3, num_classes=10)
@@ -211,7 +211,7 @@ def _pool_worker(rank, port, nprocs, schedule, contenders, scratch, namespaces, 
         # Every rank finishes trial i before any starts trial i+1.
         store.set(f"done/{index}/{rank}", "1")
         store.wait([f"done/{index}/{r}" for r in range(nprocs)])
-    from framework.launch.worker import exit_now
+    from framework.launch.rank_process import exit_now
 
     exit_now(0)  # as `train`'s ranks leave: without the interpreter's shutdown (gloo threads)
 
@@ -273,13 +273,13 @@ def run_ours(trial: Trial, ctx: TrialContext, overrides: Sequence[str] = ()) -> 
 
 
 def run_train(overrides: list[str], ctx: TrialContext, warmup: int) -> dict[str, Any] | None:
-    """framework.rank.run on this rank, what a spawned rank of `train` runs. Rank 0 returns
+    """framework.run.assemble.run on this rank, what a spawned rank of `train` runs. Rank 0 returns
     the summary, the train events of metrics.jsonl and the steady samples/s after `warmup`."""
-    from framework import startup
-    from framework.context import DistEnv
-    from framework.rank import run
+    from framework.core import startup_clock
+    from framework.core.launch_context import DistEnv
+    from framework.run.assemble import run
 
-    startup.count_from_now()
+    startup_clock.count_from_now()
     cfg = compose(overrides)
     run_dir = ctx.scratch / "run"
     run_dir.mkdir(exist_ok=True)

@@ -1,10 +1,10 @@
 """The baseline: the DDP loop a user writes by hand in plain PyTorch, and its Lightning peer.
 
 Both do exactly the benchmark's `Work`: the same model class, the same in-memory synthetic data
-(framework.data.synthetic), DistributedSampler, per-rank batch, SGD with the momentum and weight
-decay of conf/optimizer/sgd.yaml, and DDP with the bucket settings `train` uses by default
-(conf: dist.ddp), so a ratio measures the loop around the work and nothing else. Neither logs
-per step; throughput is timed from the end of the warm-up steps to the end of the last step.
+(framework.components.data.synthetic), DistributedSampler, per-rank batch, SGD with the momentum
+and weight decay of conf/optimizer/sgd.yaml, and DDP with the bucket settings `train` uses by
+default (conf: dist.ddp), so a ratio measures the loop around the work and nothing else. Neither
+logs per step; throughput is timed from the end of the warm-up steps to the end of the last step.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ DDP_OPTIONS = {"bucket_cap_mb": 25.0, "gradient_as_bucket_view": True}  # conf: 
 
 
 def dataset(work: Work, world_size: int):
-    from framework.data import synthetic
+    from framework.components.data import synthetic
 
     return synthetic(train_size=work.train_size(world_size), val_size=work.val_size,
                      image_size=work.image_size).train  # fmt: skip

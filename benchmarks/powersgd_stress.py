@@ -48,7 +48,7 @@ def _torch_worker(rank: int, port: int, args) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from framework.models import resnet18_cifar
+    from framework.components.models import resnet18_cifar
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))

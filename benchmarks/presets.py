@@ -35,7 +35,7 @@ def baseline(preset: str, run_dir: Path) -> tuple[str, float]:
         from sklearn.linear_model import LinearRegression
         from sklearn.metrics import r2_score
 
-        from framework.data import diabetes
+        from framework.components.data import diabetes
 
         splits = diabetes()
         (features, targets), (val_features, val_targets) = splits.train.tensors, splits.val.tensors
@@ -43,7 +43,7 @@ def baseline(preset: str, run_dir: Path) -> tuple[str, float]:
         return "linear regression R²", float(r2_score(val_targets.numpy(),
                                                        fit.predict(val_features.numpy())))
     if preset == "char_gpt":
-        from framework.data import text, unigram_entropy
+        from framework.components.data import text, unigram_entropy
 
         val = text().val
         return "unigram entropy (bits/char)", unigram_entropy(bytes(val.tokens.tolist()).decode())

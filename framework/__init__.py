@@ -2,5 +2,5 @@
 
 import time
 
-# The package's first import, before anything heavy: framework/startup.py counts from here.
+# The package's first import, before anything heavy: core/startup_clock.py counts from here.
 IMPORTED_AT = time.time()

@@ -1,6 +1,6 @@
 """`train` / `python -m framework.train`: the command. Checks the command line, composes the
 config once (Hydra), hands it to the launcher and turns how the run ended into an exit code
-(framework/outcomes.py). What each rank does is framework/rank.py.
+(framework/core/exits.py). What each rank does is framework/run/assemble.py.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework import context, startup
 from framework.config import CONF_DIR, validate
-from framework.launch import forkserver
-from framework.launch.dispatch import launch
-from framework.outcomes import (
+from framework.config.redaction import hide_command_line_secrets
+from framework.core import launch_context, startup_clock
+from framework.core.allowlist import check_command_line
+from framework.core.exits import (
     ConfigError,
     ExitCode,
     JobFailed,
@@ -32,23 +32,23 @@ from framework.outcomes import (
     WorkerFailed,
     end,
 )
-from framework.redaction import hide_command_line_secrets
-from framework.rundir import RunDir, throwaway_dir
-from framework.targets import check_command_line
+from framework.launch import forkserver
+from framework.launch.start import launch
+from framework.storage.run_dir import RunDir, throwaway_dir
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_app(cfg: DictConfig) -> float | None:
     """Hydra's task function: validated, resolved once, then handed to the launcher."""
-    here = context.current()
-    if isinstance(here, context.SubmititTask):
-        startup.count_from_this_process()
-    startup.mark("compose")
+    here = launch_context.current()
+    if isinstance(here, launch_context.SubmititTask):
+        startup_clock.count_from_this_process()
+    startup_clock.mark("compose")
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep_job = hydra_cfg.mode == RunMode.MULTIRUN
-    if here.is_follower and isinstance(here, context.SubmititTask):
-        from framework.launch.submitit import run_follower  # a rank (framework/launch docstring)
+    if here.is_follower and isinstance(here, launch_context.SubmititTask):
+        from framework.launch.slurm_task import run_follower  # a rank (framework/launch docstring)
 
         run_follower(cfg, run_dir)
         return None
@@ -57,8 +57,8 @@ def hydra_app(cfg: DictConfig) -> float | None:
         if sweep_job:
             join_sweep(cfg, RunDir(run_dir), hydra_cfg)
         OmegaConf.resolve(cfg)
-        if isinstance(here, context.TorchElastic):
-            from framework.launch.torchrun import run_torchrun_rank  # a rank, as above
+        if isinstance(here, launch_context.TorchElastic):
+            from framework.launch.external_torchrun import run_torchrun_rank  # a rank, as above
 
             summary = run_torchrun_rank(cfg, run_dir)
         else:
@@ -112,8 +112,8 @@ def run_and_report(func):
 
 
 def main() -> None:
-    startup.mark("imports")
-    here = context.current()
+    startup_clock.mark("imports")
+    here = launch_context.current()
     forkserver.warm_up_if_forking(sys.argv[1:])  # (already running when cli.py started it)
     # Hydra instantiates its own node (callbacks, launcher, sweeper, logging factories) before
     # any callback of ours can look at it: check the command line before Hydra starts.
@@ -125,7 +125,7 @@ def main() -> None:
     # log and W&B's copy of argv then hold ${oc.env:NAME}, never the value.
     sys.argv[1:] = hide_command_line_secrets(sys.argv[1:], os.environ)
     cleanup_dir = None
-    if here.is_follower and isinstance(here, context.TorchElastic):
+    if here.is_follower and isinstance(here, launch_context.TorchElastic):
         # Ranks > 0 compose the same config but adopt rank 0's; Hydra gets a throwaway dir, and
         # no record of the job is written.
         cleanup_dir = throwaway_dir()

@@ -50,7 +50,7 @@ def prepare_run(cfg: DictConfig, run_dir: Path) -> None:
 
 def train_in_process(cfg: DictConfig, run_dir: Path) -> dict:
     """Prepare, then start the ranks with the configured launcher, as `train` does."""
-    from framework.launch.dispatch import launch
+    from framework.launch.start import launch
 
     prepare_run(cfg, run_dir)
     return launch(cfg, run_dir)
@@ -185,7 +185,7 @@ def spawn_ranks(fn, *args, world_size: int = 2) -> None:
 
 def _rank_entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     import torch
-    import torch._dynamo  # noqa: F401  (before any process group, as framework.rank does it)
+    import torch._dynamo  # noqa: F401  (before any process group, as framework.run.assemble does it)
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -207,15 +207,15 @@ def train_many(jobs: list[tuple[DictConfig, Path]], world_size: int = 2) -> list
 
 
 def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
-    from framework import startup
-    from framework.context import DistEnv
-    from framework.rank import run
+    from framework.core import startup_clock
+    from framework.core.launch_context import DistEnv
+    from framework.run.assemble import run
 
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
                   source="local")  # fmt: skip
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     for index, (cfg, run_dir) in enumerate(jobs):
-        startup.count_from_now()
+        startup_clock.count_from_now()
         run(cfg, run_dir, env, dist.PrefixStore(f"job{index}", store))
 
 

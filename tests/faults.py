@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from framework.models import GPT, MLP
+from framework.components.models import GPT, MLP
 
 FAULT_ENV = "FRAMEWORK_TEST_FAULT"
 
@@ -48,8 +48,9 @@ class _Faults:
 
 
 class FaultyMLP(_Faults, MLP):
-    """framework.models.MLP plus input noise from all three RNGs (python, numpy, torch dropout),
-    so a resume that restores any stream wrongly changes the losses; and the injected fault."""
+    """framework.components.models.MLP plus input noise from all three RNGs (python, numpy, torch
+    dropout), so a resume that restores any stream wrongly changes the losses; and the injected
+    fault."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -68,7 +69,7 @@ class FaultyMLP(_Faults, MLP):
 
 
 class FaultyGPT(_Faults, GPT):
-    """framework.models.GPT (with dropout: the torch stream matters on resume) and the
+    """framework.components.models.GPT (with dropout: the torch stream matters on resume) and the
     injected fault, for exact-resume tests of the language model."""
 
     def __init__(self, *args, **kwargs) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from framework.data import Splits, decode_ascii, text
+from framework.components.data import Splits, decode_ascii, text
 
 
 class Lines(Dataset):

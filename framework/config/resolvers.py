@@ -9,14 +9,14 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from framework import context
+from framework.core import launch_context
 
 
 def run_stamp() -> str:
     """The run dir below outputs/: date/time, or under an external torchrun the job's
     rendezvous id, which every restart of the job shares, so a restarted rank 0 comes back
     to the run dir (and checkpoints) of the first attempt."""
-    run_id = context.current().run_id()
+    run_id = launch_context.current().run_id()
     if run_id is not None:
         return f"torchrun/{run_id}"
     return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")

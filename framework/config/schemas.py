@@ -29,7 +29,7 @@ class ModelConfig:
 class MLPConfig(ModelConfig):
     """Flatten + Linear/ReLU blocks; no BatchNorm or dropout (exact DDP parity tests)."""
 
-    _target_: str = "framework.models.MLP"
+    _target_: str = "framework.components.models.MLP"
     image_size: int = "${data.image_size}"  # type: ignore[assignment]
     hidden_sizes: list[int] = field(default_factory=lambda: [256, 128])
 
@@ -38,25 +38,25 @@ class MLPConfig(ModelConfig):
 class CNNConfig(ModelConfig):
     """Three 3x3 conv layers + global average pooling; fits 8x8 digits and 32x32 CIFAR."""
 
-    _target_: str = "framework.models.SmallCNN"
+    _target_: str = "framework.components.models.SmallCNN"
     width: int = 32
 
 
 @dataclass
 class ResNet18Config(ModelConfig):
-    _target_: str = "framework.models.resnet18_cifar"
+    _target_: str = "framework.components.models.resnet18_cifar"
 
 
 @dataclass
 class ResNet50Config(ModelConfig):
-    _target_: str = "framework.models.resnet50"
+    _target_: str = "framework.components.models.resnet50"
 
 
 @dataclass
 class FeedForwardConfig:
     """Linear-GELU blocks from data.num_features to data.num_outputs (tables)."""
 
-    _target_: str = "framework.models.FeedForward"
+    _target_: str = "framework.components.models.FeedForward"
     in_features: int = "${data.num_features}"  # type: ignore[assignment]
     out_features: int = "${data.num_outputs}"  # type: ignore[assignment]
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
@@ -67,7 +67,7 @@ class FeedForwardConfig:
 class VAEModelConfig:
     """MLP encoder to a Gaussian latent, MLP decoder to one logit per pixel."""
 
-    _target_: str = "framework.models.VAE"
+    _target_: str = "framework.components.models.VAE"
     in_channels: int = "${data.in_channels}"  # type: ignore[assignment]
     image_size: int = "${data.image_size}"  # type: ignore[assignment]
     latent_dim: int = 8
@@ -79,7 +79,7 @@ class VAEModelConfig:
 class GPTConfig:
     """A nanoGPT-style decoder-only transformer over data.vocab_size tokens."""
 
-    _target_: str = "framework.models.GPT"
+    _target_: str = "framework.components.models.GPT"
     vocab_size: int = "${data.vocab_size}"  # type: ignore[assignment]
     block_size: int = "${data.block_size}"  # type: ignore[assignment]
     layers: int = 4
@@ -91,7 +91,7 @@ class GPTConfig:
 # --- data -----------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
-    _target_: str = MISSING  # a function returning framework.data.Splits
+    _target_: str = MISSING  # a function returning framework.components.data.Splits
     batch_size: int = 32  # per rank; global batch = batch_size * world_size * grad_accum
     eval_batch_size: int = 256
     num_workers: int = 0
@@ -100,7 +100,7 @@ class DataConfig:
     shuffle: bool = True
     drop_last: bool = True  # training only; evaluation never drops or pads
     # Batches samples that torch's default_collate cannot: {_target_: ...} naming a callable
-    # (or a class, with _partial_ for arguments), e.g. framework.data.PadSequences.
+    # (or a class, with _partial_ for arguments), e.g. framework.components.data.PadSequences.
     collate_fn: Any = None
     in_channels: int = 3
     image_size: int = 32
@@ -111,7 +111,7 @@ class DataConfig:
 class DigitsConfig(DataConfig):
     """scikit-learn's bundled digits: 1,797 real 8x8 grey images, 10 classes. No download."""
 
-    _target_: str = "framework.data.digits"
+    _target_: str = "framework.components.data.digits"
     in_channels: int = 1
     image_size: int = 8
     val_fraction: float = 0.2  # held-out share (360 images)
@@ -124,7 +124,7 @@ class DigitsConfig(DataConfig):
 class DiabetesConfig(DataConfig):
     """scikit-learn's bundled diabetes: 442 patients, 10 features, a real-valued target."""
 
-    _target_: str = "framework.data.diabetes"
+    _target_: str = "framework.components.data.diabetes"
     batch_size: int = 16
     num_features: int = 10
     num_outputs: int = 1
@@ -137,7 +137,7 @@ class DiabetesConfig(DataConfig):
 class TextConfig(DataConfig):
     """English text shipped with Python (pydoc_data.topics), one token per ASCII character."""
 
-    _target_: str = "framework.data.text"
+    _target_: str = "framework.components.data.text"
     batch_size: int = 16
     eval_batch_size: int = 64
     block_size: int = 128  # tokens of context per sequence
@@ -150,7 +150,7 @@ class TextConfig(DataConfig):
 class SyntheticConfig(DataConfig):
     """Random CIFAR-shaped tensors with learnable labels; sized by config, for throughput."""
 
-    _target_: str = "framework.data.synthetic"
+    _target_: str = "framework.components.data.synthetic"
     train_size: int = 2048
     val_size: int = 512
     seed: int = 0
@@ -160,7 +160,7 @@ class SyntheticConfig(DataConfig):
 class Cifar10Config(DataConfig):
     """CIFAR-10 from a local folder in torchvision's format (data.root)."""
 
-    _target_: str = "framework.data.cifar10"
+    _target_: str = "framework.components.data.cifar10"
     batch_size: int = 128
     eval_batch_size: int = 512
     num_workers: int = 2
@@ -221,14 +221,14 @@ class SchedulerConfig:
 
 @dataclass
 class ConstantSchedulerConfig(SchedulerConfig):
-    _target_: str = "framework.schedulers.constant"
+    _target_: str = "framework.components.schedulers.constant"
 
 
 @dataclass
 class CosineSchedulerConfig(SchedulerConfig):
     """Linear warmup for warmup_steps, then cosine decay to min_lr_ratio * lr at the end."""
 
-    _target_: str = "framework.schedulers.cosine_with_warmup"
+    _target_: str = "framework.components.schedulers.cosine_with_warmup"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
 
@@ -237,7 +237,7 @@ class CosineSchedulerConfig(SchedulerConfig):
 class StepSchedulerConfig(SchedulerConfig):
     """Multiply the lr by gamma every step_size optimizer steps."""
 
-    _target_: str = "framework.schedulers.step"
+    _target_: str = "framework.components.schedulers.step"
     step_size: int = 100
     gamma: float = 0.1
 
@@ -247,7 +247,7 @@ class StepSchedulerConfig(SchedulerConfig):
 class PrecisionConfig:
     """fp32: plain float32."""
 
-    _target_: str = "framework.precision.Precision"
+    _target_: str = "framework.components.precision.Precision"
     _partial_: bool = True
 
 
@@ -255,14 +255,14 @@ class PrecisionConfig:
 class BF16Config(PrecisionConfig):
     """Autocast to bfloat16 (fp32's exponent range: no loss scaling). Runs on CPU and CUDA."""
 
-    _target_: str = "framework.precision.BF16"
+    _target_: str = "framework.components.precision.BF16"
 
 
 @dataclass
 class AmpConfig(PrecisionConfig):
     """float16 autocast + GradScaler (dynamic loss scaling)."""
 
-    _target_: str = "framework.precision.AMP"
+    _target_: str = "framework.components.precision.AMP"
     init_scale: float = 65536.0
     growth_factor: float = 2.0  # scale *= this after growth_interval clean steps
     backoff_factor: float = 0.5  # scale *= this after a step with inf/NaN gradients
@@ -273,7 +273,7 @@ class AmpConfig(PrecisionConfig):
 class CommConfig:
     """DDP's built-in bucketed allreduce of fp32 gradients."""
 
-    _target_: str = "framework.comm.Comm"
+    _target_: str = "framework.components.comm.Comm"
     _partial_: bool = True
 
 
@@ -281,7 +281,7 @@ class CommConfig:
 class FP16CommConfig(CommConfig):
     """Gradients cast to float16 for the allreduce (half the bytes), cast back after."""
 
-    _target_: str = "framework.comm.CompressedAllreduce"
+    _target_: str = "framework.components.comm.CompressedAllreduce"
     wire: str = "fp16"
 
 
@@ -294,9 +294,9 @@ class BF16CommConfig(FP16CommConfig):
 
 @dataclass
 class PowerSGDConfig(CommConfig):
-    """PowerSGD low-rank gradient compression (gloo-safe implementation in framework/comm.py)."""
+    """PowerSGD low-rank gradient compression (gloo-safe: framework/components/comm.py)."""
 
-    _target_: str = "framework.comm.PowerSGD"
+    _target_: str = "framework.components.comm.PowerSGD"
     rank: int = 2  # matrix_approximation_rank: higher = more accurate, more bytes
     start_iter: int = 10  # plain allreduce for this many steps first (torch's default: 1000)
     min_compression_rate: float = 2.0  # compress a matrix only if it shrinks by this much
@@ -307,17 +307,17 @@ class PowerSGDConfig(CommConfig):
     seed: int = 0  # random projections, identical on every rank
 
 
-# --- tasks (framework/tasks/) ------------------------------------------------------------------
+# --- tasks (framework/components/tasks/) ----------------------------------------------------
 @dataclass
 class TaskConfig:
-    _target_: str = MISSING  # a framework.tasks.Task subclass
+    _target_: str = MISSING  # a framework.components.tasks.Task subclass
 
 
 @dataclass
 class ClassificationConfig(TaskConfig):
     """Cross-entropy over class logits; val/accuracy, val/loss."""
 
-    _target_: str = "framework.tasks.Classification"
+    _target_: str = "framework.components.tasks.Classification"
     label_smoothing: float = 0.0  # training loss only; val/loss is the plain cross-entropy
     ignore_index: int | None = None  # a label to skip (per-pixel labels with a void class)
 
@@ -326,14 +326,14 @@ class ClassificationConfig(TaskConfig):
 class RegressionConfig(TaskConfig):
     """Squared error; val/r2, val/mse, val/mae."""
 
-    _target_: str = "framework.tasks.Regression"
+    _target_: str = "framework.components.tasks.Regression"
 
 
 @dataclass
 class LanguageModelConfig(TaskConfig):
     """Next-token cross-entropy per token; val/loss, val/perplexity, val/bits_per_char."""
 
-    _target_: str = "framework.tasks.LanguageModel"
+    _target_: str = "framework.components.tasks.LanguageModel"
     ignore_index: int = -100  # target value of padding: no loss, not counted
     chars_per_token: float = 1.0  # for bits_per_char (1: one token per character)
     sample_tokens: int = 300  # text generated into samples.txt at the end (0: none)
@@ -343,7 +343,7 @@ class LanguageModelConfig(TaskConfig):
 class AutoencoderConfig(TaskConfig):
     """Reconstruct the inputs; vae=true adds the KL term and reports val/elbo."""
 
-    _target_: str = "framework.tasks.Autoencoder"
+    _target_: str = "framework.components.tasks.Autoencoder"
     vae: bool = False
     reconstruction: str = "mse"  # mse | bce (Bernoulli likelihood of inputs in [0, 1])
     kl_weight: float = 1.0  # beta of a beta-VAE (1: the ELBO)
@@ -417,7 +417,7 @@ class SlurmLocalLauncherConfig(SubmititLauncherConfig):
 class LoggerConfig:
     """A logger next to console + metrics.jsonl + summary.json (always written by rank 0)."""
 
-    _target_: str = MISSING  # a framework.sinks sink (or one of yours)
+    _target_: str = MISSING  # a framework.components.loggers sink (or one of yours)
     _partial_: bool = True
 
 
@@ -425,7 +425,7 @@ class LoggerConfig:
 class WandbLoggerConfig(LoggerConfig):
     """Weights & Biases, from rank 0 only; files under $WANDB_DIR when set, else the run dir."""
 
-    _target_: str = "framework.sinks.WandbSink"
+    _target_: str = "framework.components.loggers.WandbSink"
     project: str = "framework"
     entity: str | None = None
     group: str | None = None  # null: in a sweep, the sweep dir (one group per sweep)
@@ -440,14 +440,14 @@ class WandbLoggerConfig(LoggerConfig):
 class TensorBoardLoggerConfig(LoggerConfig):
     """TensorBoard event files in <run dir>/tensorboard."""
 
-    _target_: str = "framework.sinks.TensorBoardSink"
+    _target_: str = "framework.components.loggers.TensorBoardSink"
 
 
 @dataclass
 class CsvLoggerConfig(LoggerConfig):
     """<run dir>/metrics.csv: one row per event, one column per metric."""
 
-    _target_: str = "framework.sinks.CsvSink"
+    _target_: str = "framework.components.loggers.CsvSink"
     filename: str = "metrics.csv"
 
 
@@ -455,7 +455,7 @@ class CsvLoggerConfig(LoggerConfig):
 class MLflowLoggerConfig(LoggerConfig):
     """An MLflow run in a tracking store: params, metrics by step, artifacts."""
 
-    _target_: str = "framework.sinks.MLflowSink"
+    _target_: str = "framework.components.loggers.MLflowSink"
     tracking_uri: str | None = None  # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here
     experiment: str = "framework"
     run_name: str | None = None  # null: the run dir's name
@@ -555,7 +555,7 @@ class Config:
     # task's main metric (val/accuracy for classification, val/r2, val/loss, val/elbo ...).
     objective: str | None = None
     # Module prefixes `_target_` may name, on top of torch, torchvision, framework and
-    # experiments (framework/targets.py). Config files only: the command line cannot set it.
+    # experiments (framework/core/allowlist.py). Config files only: the command line cannot set it.
     allowed_targets: list[str] = field(default_factory=list)
 
 

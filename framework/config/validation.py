@@ -17,10 +17,10 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework import context
 from framework.config import schemas as s
-from framework.outcomes import ConfigError
-from framework.targets import check_targets
+from framework.core import launch_context
+from framework.core.allowlist import check_targets
+from framework.core.exits import ConfigError
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 RUN_METRICS = {"samples_per_s": "max", "wall_s": "min"}  # objectives every run reports
@@ -181,8 +181,8 @@ def _reject_srun_steps(launcher: DictConfig, cfg: DictConfig) -> None:
     """For launchers that start the ranks themselves: `srun -n 4 train` starts 4 launchers,
     each with its own ranks and run dir. One task per node running launcher=torchrun with
     launcher.nnodes = the step's nodes is a real job."""
-    here = context.current()
-    if isinstance(here, context.TorchElastic | context.SubmititTask):
+    here = launch_context.current()
+    if isinstance(here, launch_context.TorchElastic | launch_context.SubmititTask):
         return
     tasks, nodes = here.srun_step()
     one_per_node = launcher.name == "torchrun" and tasks == nodes == launcher.nnodes
@@ -220,7 +220,7 @@ def _check_submitit(launcher: DictConfig, cfg: DictConfig) -> None:
         "requeued",
     )
     require(
-        not isinstance(context.current(), context.TorchElastic),
+        not isinstance(launch_context.current(), launch_context.TorchElastic),
         f"launcher={launcher.name} under torchrun: SLURM starts one task per rank itself. Run "
         f"`train launcher={launcher.name} ...` directly (on the login node), not under torchrun",
     )
@@ -252,7 +252,7 @@ def _check_powersgd(comm: DictConfig, cfg: DictConfig) -> None:
 def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
     # Submitting from a login node: the compute nodes' mounts may be missing here.
     submitting = cfg.launcher.name == "slurm" and not isinstance(
-        context.current(), context.SubmititTask
+        launch_context.current(), launch_context.SubmititTask
     )
     if data.download or submitting:
         return

@@ -19,13 +19,13 @@ import os
 import sys
 from multiprocessing import reduction
 
-from framework import context, startup
+from framework.core import launch_context, startup_clock
 
 START_METHOD = "forkserver"
 # What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
 # the tasks, models and data sets), and the plots rank 0 draws at the end. This module first:
 # its copy of the server's environment is what a rank compares with (adopt).
-PRELOAD = ["framework.launch.forkserver", "framework.launch.worker", "matplotlib.pyplot"]
+PRELOAD = ["framework.launch.forkserver", "framework.launch.rank_process", "matplotlib.pyplot"]
 # Set in this process's environment only while it starts the fork server: the server finds
 # it when it imports this module (PRELOAD), and no other process does.
 _SERVER_MARK = "FRAMEWORK_FORK_SERVER"
@@ -62,7 +62,9 @@ def warm_up() -> None:
 
 def warm_up_if_forking(argv: list[str]) -> None:
     """Start the fork server now when this command will fork local ranks from it."""
-    if isinstance(context.current(), context.Standalone) and will_start_local_ranks(argv):
+    if isinstance(launch_context.current(), launch_context.Standalone) and will_start_local_ranks(
+        argv
+    ):
         warm_up()
 
 
@@ -109,7 +111,7 @@ def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
     # start from a new fork server that imports torch from scratch (seconds per rank). They
     # start as in a process started directly (the platform's default: fork on Linux).
     multiprocessing.set_start_method(None, force=True)
-    startup.count_from_now_unless_marked()
+    startup_clock.count_from_now_unless_marked()
     os.chdir(cwd)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -20,12 +20,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig
 
-from framework import startup
-from framework.context import DistEnv
+from framework.core import startup_clock
+from framework.core.exits import root_cause
+from framework.core.launch_context import DistEnv
 from framework.launch import forkserver
-from framework.launch.store import failure_messages
-from framework.outcomes import root_cause
-from framework.stopping import stop_signal_names
+from framework.launch.failure_store import failure_messages
+from framework.run.stopping import stop_signal_names
 
 EXIT_GRACE_S = 3.0  # after a rank fails: time for the others to exit before SIGTERM, then SIGKILL
 
@@ -102,9 +102,9 @@ def _forward_signals(names: list[str], pids: list[int]) -> Iterator[None]:
 def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int,
                   environ: dict[str, str], cwd: str, stdio: list[int]) -> None:  # fmt: skip
     forkserver.adopt(environ, cwd, stdio)
-    startup.mark("start ranks")
+    startup_clock.mark("start ranks")
     # Imported in the rank (the fork server has it loaded): the launcher never needs it.
-    from framework.launch.worker import run_worker
+    from framework.launch.rank_process import run_worker
 
     env = DistEnv(
         rank=local_rank, local_rank=local_rank, world_size=nproc, local_world_size=nproc,

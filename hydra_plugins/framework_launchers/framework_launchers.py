@@ -1,5 +1,5 @@
 """Hydra launchers for `train` sweeps: Hydra's basic launcher and hydra-submitit-launcher's two,
-each adding the sweep summary (framework/sweep.py) after every batch of jobs.
+each adding the sweep summary (framework/command/sweep_summary.py) after every batch of jobs.
 
 The submitit ones also wait differently. hydra-submitit-launcher waits for every task of every
 job through `sacct`; a task that died without a result (killed, out of memory, a rank that left
@@ -40,7 +40,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
 )
 from omegaconf import OmegaConf, open_dict
 
-from framework.outcomes import JobFailed
+from framework.core.exits import JobFailed
 
 log = logging.getLogger(__name__)
 # Config folders of the user's own packages, set once (a shell profile, a .env):
@@ -56,7 +56,9 @@ ENDED_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NO
 
 
 def _summary(config: Any):
-    from framework.sweep import SweepSummary  # imported late: Hydra scans this module often
+    from framework.command.sweep_summary import (
+        SweepSummary,  # imported late: Hydra scans this module often
+    )
 
     return SweepSummary(Path(str(config.hydra.sweep.dir)), config.objective)
 
@@ -242,7 +244,8 @@ _store.store(group="hydra/launcher", name="framework_local", node=SubmititLocalC
 class UserConfigPath(SearchPathPlugin):
     """Adds the folders in $FRAMEWORK_CONFIG_PATH (comma-separated pkg:// or file:// paths)
     after conf/: their group options (task/my_task.yaml, experiment/...) join the shipped ones
-    without an edit of conf/. framework/hydra_callback.py refuses an entry that does not exist."""
+    without an edit of conf/. framework/command/validate_callback.py refuses an entry that does
+    not exist."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         for entry in os.environ.get(CONFIG_PATH_VARIABLE, "").split(","):

@@ -11,11 +11,11 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from framework.comm import PowerSGD
+from framework.components.comm import PowerSGD
+from framework.components.models import MLP, resnet18_cifar
+from framework.components.precision import AMP
 from framework.config.schemas import SCHEMAS
-from framework.distributed import DistEnv  # (imports torch._dynamo before any process group)
-from framework.models import MLP, resnet18_cifar
-from framework.precision import AMP
+from framework.core.distributed import DistEnv  # (imports torch._dynamo before any process group)
 from tests.conftest import spawn_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -102,7 +102,7 @@ def test_ema_changes_what_is_evaluated(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; CUDA runs SyncBatchNorm")
 def test_sync_batchnorm_on_cpu_is_refused_with_the_fix(tmp_path, capfd):
-    from framework.outcomes import ConfigError
+    from framework.core.exits import ConfigError
 
     with pytest.raises(ConfigError):
         run(tmp_path, "sbn", "model=resnet18", "data.in_channels=3", "launcher.nproc_per_node=2",

@@ -33,9 +33,9 @@ CASES = {
 def _count_in_rank(rank: int, world_size: int, port: int, jobs: list, found: dict) -> None:
     import torch
 
-    from framework.context import DistEnv
-    from framework.rank import run
-    from framework.runner import Runner
+    from framework.core.launch_context import DistEnv
+    from framework.run.assemble import run
+    from framework.run.loop import Runner
 
     torch.set_num_threads(1)
     env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch.distributed as dist
 
-from framework.context import DistEnv
-from framework.outcomes import ReplicasDiverged
-from framework.rank import run
+from framework.core.exits import ReplicasDiverged
+from framework.core.launch_context import DistEnv
+from framework.run.assemble import run
 from tests.conftest import TINY, make_cfg, prepare_run, start_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

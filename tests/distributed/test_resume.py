@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from framework.outcomes import Stopped as ReportedStop
-from framework.outcomes import WorkerFailed
+from framework.core.exits import Stopped as ReportedStop
+from framework.core.exits import WorkerFailed
 from tests.conftest import FAULT_COMMS as COMMS
 from tests.conftest import FAULTS, make_cfg, read_metrics, train_in_process
 from tests.faults import FAULT_ENV, assert_same_weights, final_weights

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from framework.outcomes import Stopped
+from framework.core.exits import Stopped
 from tests.conftest import (
     REPO,
     make_cfg,

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from framework.data import Splits
+from framework.components.data import Splits
 
 
 class TinyNet(nn.Module):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.outcomes import ExitCode
+from framework.core.exits import ExitCode
 from tests.conftest import DIST_ENV_VARS, FAULTS, REPO, read_metrics, run_cli
 from tests.faults import FAULT_ENV, assert_same_weights, final_weights
 

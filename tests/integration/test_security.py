@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from framework.redaction import REDACTED
+from framework.config.redaction import REDACTED
 
 pytestmark = pytest.mark.slow
 TINY_RUN = ("launcher.nproc_per_node=1", "trainer.max_steps=3", "data=synthetic",

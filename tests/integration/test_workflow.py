@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.outcomes import ExitCode
-from framework.redaction import REDACTED
+from framework.config.redaction import REDACTED
+from framework.core.exits import ExitCode
 from tests.conftest import FAULTS, make_cfg, read_metrics, run_cli, train_many
 from tests.faults import FAULT_ENV
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework import checkpoint
-from framework.checkpoint import check_model_keys, newest_valid, read, write
-from framework.outcomes import CheckpointError
+from framework.core.exits import CheckpointError
+from framework.storage import checkpoint
+from framework.storage.checkpoint import check_model_keys, newest_valid, read, write
 from tests.conftest import REPO
 
 
@@ -121,7 +121,7 @@ def test_a_different_model_gets_one_error_listing_every_mismatched_key(tmp_path)
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_valid(tmp_path):
     write(tmp_path, 1, payload(1), keep=3)
     script = (
-        "import torch; from framework import checkpoint\n"
+        "import torch; from framework.storage import checkpoint\n"
         "w = torch.zeros(100_000_000)  # 400 MB: the kill lands inside torch.save\n"
         "big = {'format': checkpoint.FORMAT, 'step': 2, 'model': {'w': w}}\n"
         "print('writing', flush=True)\n"

@@ -13,10 +13,10 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
+from framework.components.optim import build_optimizer, scaled_lr
 from framework.config import validate
 from framework.config.schemas import SCHEMAS
-from framework.optim import build_optimizer, scaled_lr
-from framework.outcomes import ConfigError
+from framework.core.exits import ConfigError
 from tests.conftest import CONF_DIR, make_cfg
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from framework.data import (
+from framework.components.data import (
     ShardSampler,
     bundled_with_scikit_learn,
     cifar10,

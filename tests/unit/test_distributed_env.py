@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from framework.context import DistEnv
-from framework.outcomes import ConfigError
+from framework.core.exits import ConfigError
+from framework.core.launch_context import DistEnv
 
 
 def test_torchrun_variables():
@@ -21,8 +21,8 @@ def test_torchrun_variables():
 def test_a_slurm_task_is_one_rank_and_rank_0_on_the_first_node_hosts_the_rendezvous(monkeypatch):
     from omegaconf import OmegaConf
 
-    from framework.context import rendezvous_port
-    from framework.launch.submitit import task_env
+    from framework.core.launch_context import rendezvous_port
+    from framework.launch.slurm_task import task_env
 
     slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "3",
              "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",

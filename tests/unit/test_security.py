@@ -12,8 +12,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from framework.config import validate
-from framework.outcomes import ConfigError
-from framework.redaction import (
+from framework.config.redaction import (
     REDACTED,
     SecretFilter,
     hide_command_line_secrets,
@@ -24,7 +23,13 @@ from framework.redaction import (
     secret_values,
     write_hydra_record,
 )
-from framework.targets import check_command_line, check_targets, matches_prefix, target_problem
+from framework.core.allowlist import (
+    check_command_line,
+    check_targets,
+    matches_prefix,
+    target_problem,
+)
+from framework.core.exits import ConfigError
 from tests.conftest import CONF_DIR, REPO, make_cfg
 
 SECRET = "PLANTED-SECRET-123"
@@ -53,8 +58,8 @@ def test_prefixes_match_on_module_boundaries(name, prefixes, expected):
         "torch.optim.SGD",
         "torch.optim.lr_scheduler.CosineAnnealingLR",
         "torchvision.models.resnet18",
-        "framework.models.SmallCNN",
-        "framework.data.digits",
+        "framework.components.models.SmallCNN",
+        "framework.components.data.digits",
     ],
 )
 def test_builtin_prefixes_allow_the_usual_targets(target):
@@ -136,7 +141,7 @@ REFUSED = [
     (["+hydra.callbacks.evil._target_=shutil.copy"], "hydra.callbacks.evil._target_=shutil.copy"),
     (["+hydra.callbacks.evil={_target_:builtins.open,file:x}"], "_target_=builtins.open"),
     (["-m",
-      "+hydra.callbacks.e._target_=choice(framework.hydra_callback.ValidateBeforeRun,os.system)"],
+      "+hydra.callbacks.e._target_=choice(framework.command.validate_callback.ValidateBeforeRun,os.system)"],
      "_target_=os.system"),
     (["hydra.launcher._target_=subprocess.Popen"], "_target_=subprocess.Popen"),
     (["hydra.sweeper._target_=importlib.import_module"], "_target_=importlib.import_module"),

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from framework import stopping
-from framework.context import DistEnv
-from framework.stopping import NonFiniteWatch, SignalExchange, StopRequests
+from framework.core.launch_context import DistEnv
+from framework.run import stopping
+from framework.run.stopping import NonFiniteWatch, SignalExchange, StopRequests
 
 T, F = torch.tensor(True), torch.tensor(False)
 

@@ -13,11 +13,9 @@ from hydra.utils import instantiate
 from sklearn.metrics import mean_absolute_error, r2_score
 from torch import nn
 
-from framework.config import validate
-from framework.data import PadSequences, to_device
-from framework.models import GPT, VAE, FeedForward, SmallCNN
-from framework.outcomes import ConfigError
-from framework.tasks import (
+from framework.components.data import PadSequences, to_device
+from framework.components.models import GPT, VAE, FeedForward, SmallCNN
+from framework.components.tasks import (
     Autoencoder,
     Classification,
     LanguageModel,
@@ -26,6 +24,8 @@ from framework.tasks import (
     TaskLoss,
     first_batch,
 )
+from framework.config import validate
+from framework.core.exits import ConfigError
 from tests.conftest import make_cfg
 
 

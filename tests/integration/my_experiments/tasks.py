@@ -2,7 +2,7 @@
 
 import torch
 
-from framework.tasks import Task, TaskLoss
+from framework.components.tasks import Task, TaskLoss
 
 
 class AbsoluteError(Task):

@@ -1,0 +1,79 @@
+"""The Hydra callback conf/config.yaml installs: a bad config is rejected before Hydra creates or
+writes any output dir, and Hydra's record of the job is written with secrets redacted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra._internal.sources_registry import SourcesRegistry
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from framework.config import validate
+from framework.config.redaction import redact_multirun_master, write_hydra_record
+from framework.config.validation import require
+from framework.core import launch_context
+from framework.core.exits import ConfigError, end
+from framework.launch.slurm_partition import check_cluster
+from framework.storage.run_dir import RunDir
+
+
+class ValidateBeforeRun(Callback):
+    def __init__(self, output_subdir: str | None = ".hydra") -> None:
+        # Hydra's own hydra.output_subdir stays null: Hydra saves its record before any
+        # callback runs, secrets included. This is where the redacted record goes instead.
+        self.output_subdir = output_subdir
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config)
+        try:
+            RunDir(Path(config.hydra.run.dir)).check_reusable(config, sweep_job=False)
+        except ConfigError as error:
+            end(error)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config)
+        try:  # before anything is submitted
+            check_cluster(config.launcher)
+        except ConfigError as error:
+            end(error)
+        redact_multirun_master(config)  # the sweeper saves it next, as multirun.yaml
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.output_subdir is None or launch_context.current().is_follower:  # rank 0 writes it
+            return
+        record = Path(config.hydra.runtime.output_dir, self.output_subdir)
+        # A resumed run dir keeps the record of the command that created it: a resume that is
+        # then refused must not have changed anything.
+        if not (record / "config.yaml").exists():
+            write_hydra_record(config, record)
+
+    @staticmethod
+    def _check(config: DictConfig) -> None:
+        try:
+            validate(config)
+            require(
+                config.hydra.output_subdir is None,
+                f"hydra.output_subdir={config.hydra.output_subdir} would make Hydra write its "
+                "records with secrets unredacted: leave it null and set "
+                "hydra.callbacks.validate.output_subdir instead",
+            )
+            check_config_folders(config)
+        except ConfigError as error:
+            end(error, rank=launch_context.current().global_rank())  # rank 0 says it once
+
+
+def check_config_folders(config: DictConfig) -> None:
+    """Every folder on the config search path exists: Hydra skips a missing one silently, and
+    the options the user meant to add would then be 'not found' with no hint why."""
+    for source in config.hydra.runtime.config_sources:
+        kind = SourcesRegistry.instance().resolve(source.schema)
+        if not kind(source.provider, f"{source.schema}://{source.path}").available():
+            where = ("FRAMEWORK_CONFIG_PATH" if source.provider == "framework-user"
+                     else "hydra.searchpath")  # fmt: skip
+            raise ConfigError(
+                f"{where}: {source.schema}://{source.path} is not a folder of config files (it "
+                "does not exist, or the package does not import): give file:///absolute/path "
+                "or pkg://importable.package.folder"
+            )

@@ -1,0 +1,358 @@
+"""Datasets that ship (digits, diabetes, text, synthetic, a CIFAR-10 folder), the per-rank
+loaders that feed DDP, and moving batches of any structure to the device.
+
+A data option's `_target_` is a function returning `Splits`; any function with that shape works,
+so bringing your own dataset is one YAML file pointing at it. Samples may be tensors, tuples or
+dicts; a data option's `collate_fn` (by `_target_`) batches samples that default_collate cannot
+(variable-length sequences: `PadSequences`; graphs).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import itertools
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    Sampler,
+    TensorDataset,
+)
+
+from framework.config.schemas import (
+    Cifar10Config,
+    DiabetesConfig,
+    DigitsConfig,
+    SyntheticConfig,
+    TextConfig,
+)
+from framework.core.launch_context import DistEnv
+
+log = logging.getLogger("framework")
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: Dataset
+    val: Dataset
+    test: Dataset | None = None  # a held-out test split, when the data option has one
+    decode: Callable[[list[int]], str] | None = None  # token ids -> text, for text data
+
+
+def split_indices(count: int, val_fraction: float, test_fraction: float,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(train, val, test or None) indices of a seeded permutation: validation first, then the
+    test split, then training (so a test split takes nothing from validation)."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    val_count, test_count = round(count * val_fraction), round(count * test_fraction)
+    test = order[val_count:val_count + test_count] if test_count else None
+    return order[val_count + test_count:], order[:val_count], test
+
+
+def _tensor_splits(inputs: torch.Tensor, targets: torch.Tensor, val_fraction: float,
+                   test_fraction: float, seed: int) -> Splits:  # fmt: skip
+    train, val, test = split_indices(len(targets), val_fraction, test_fraction, seed)
+    return Splits(
+        train=TensorDataset(inputs[train], targets[train]),
+        val=TensorDataset(inputs[val], targets[val]),
+        test=None if test is None else TensorDataset(inputs[test], targets[test]),
+    )
+
+
+def bundled_with_scikit_learn(name: str, **loadtxt: Any) -> np.ndarray:
+    """A data file that ships inside scikit-learn (a gzipped CSV), read as its loaders read it
+    but without importing scikit-learn, which costs about 5 s of a run's start-up on 2 cores.
+    tests/unit/test_data.py checks the result against scikit-learn's own loaders."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{name}: scikit-learn, which ships it, is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / name
+    with gzip.open(path, "rt", encoding="utf-8") as file:
+        return np.loadtxt(file, **loadtxt)
+
+
+def digits(val_fraction: float = DigitsConfig.val_fraction,
+           test_fraction: float = DigitsConfig.test_fraction,
+           split_seed: int = DigitsConfig.split_seed,
+           normalize: bool = DigitsConfig.normalize, **_: object) -> Splits:  # fmt: skip
+    """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes. Pixels in
+    [-1, 1] (normalize) or [0, 1]."""
+    table = bundled_with_scikit_learn("digits.csv.gz", delimiter=",")  # 64 pixels, then the label
+    pixels = torch.tensor(table[:, :-1].reshape(-1, 1, 8, 8), dtype=torch.float32)
+    images = pixels / 16.0
+    if normalize:
+        images = (images - 0.5) / 0.5
+    labels = torch.tensor(table[:, -1].astype(np.int64))
+    return _tensor_splits(images, labels, val_fraction, test_fraction, split_seed)
+
+
+def diabetes(val_fraction: float = DiabetesConfig.val_fraction,
+             test_fraction: float = DiabetesConfig.test_fraction,
+             split_seed: int = DiabetesConfig.split_seed, **_: object) -> Splits:  # fmt: skip
+    """scikit-learn's bundled diabetes data: 442 patients, 10 features, disease progression one
+    year later (a real number). Features and target standardised with the training split's
+    mean and std (R² does not depend on the target's scale)."""
+    files = ("diabetes_data_raw.csv.gz", "diabetes_target.csv.gz")
+    arrays = (bundled_with_scikit_learn(name) for name in files)
+    features, target = (torch.tensor(array, dtype=torch.float32) for array in arrays)
+    train, _, _ = split_indices(len(target), val_fraction, test_fraction, split_seed)
+
+    def standardise(values: torch.Tensor) -> torch.Tensor:
+        reference = values[train]
+        return (values - reference.mean(0)) / reference.std(0)
+
+    return _tensor_splits(standardise(features), standardise(target), val_fraction,
+                          test_fraction, split_seed)  # fmt: skip
+
+
+# Python's help texts hold 9 characters outside ASCII; each becomes its ASCII look-alike, so the
+# vocabulary is the 128 ASCII codes whatever the Python version.
+_ASCII_FOLD = str.maketrans({"°": "o", "ß": "s", "–": "-", "—": "-", "‘": "'", "’": "'",
+                             "“": '"', "”": '"', "…": "."})  # fmt: skip
+
+
+class TokenWindows(Dataset):
+    """Windows of `block_size` + 1 tokens, every `stride` tokens: (inputs, next tokens)."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int) -> None:
+        self.tokens, self.block_size, self.stride = tokens, block_size, stride
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - self.block_size - 1) // self.stride + 1)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.stride
+        window = self.tokens[start:start + self.block_size + 1]
+        return window[:-1], window[1:]
+
+
+def decode_ascii(ids: list[int]) -> str:
+    return "".join(map(chr, ids))
+
+
+def text(block_size: int = TextConfig.block_size, stride: int = TextConfig.stride,
+         val_fraction: float = TextConfig.val_fraction, **_: object) -> Splits:  # fmt: skip
+    """English text that ships with Python: the standard library's help topics
+    (pydoc_data.topics, ~465,000 characters), one token per character. The last val_fraction
+    of the text is the validation split."""
+    from pydoc_data.topics import topics
+
+    corpus = "\n\n".join(topics[key] for key in sorted(topics)).translate(_ASCII_FOLD)
+    tokens = torch.tensor(list(corpus.encode("ascii", errors="replace")), dtype=torch.long)
+    split = round(len(tokens) * (1 - val_fraction))
+    val_text = corpus[split:]
+    log.info("text: %d characters (%d for validation); the validation text's unigram entropy is "
+             "%.3f bits/char", len(corpus), len(val_text), unigram_entropy(val_text))  # fmt: skip
+    return Splits(train=TokenWindows(tokens[:split], block_size, stride),
+                  val=TokenWindows(tokens[split:], block_size, block_size), decode=decode_ascii)
+
+
+def unigram_entropy(text: str) -> float:
+    """Bits per character of the text's own character frequencies: what a model that ignores
+    context can reach at best."""
+    counts = Counter(text)
+    return -sum(n / len(text) * math.log2(n / len(text)) for n in counts.values())
+
+
+class PadSequences:
+    """collate_fn for (inputs, targets) token sequences of different lengths: pads both to the
+    batch's longest, inputs with `pad_id`, targets with `ignore_index` (their loss is skipped)."""
+
+    def __init__(self, pad_id: int = 0, ignore_index: int = -100) -> None:
+        self.pad_id, self.ignore_index = pad_id, ignore_index
+
+    def __call__(self, samples: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        inputs, targets = zip(*samples, strict=True)
+        pad = torch.nn.utils.rnn.pad_sequence
+        return (pad(list(inputs), batch_first=True, padding_value=self.pad_id),
+                pad(list(targets), batch_first=True, padding_value=self.ignore_index))
+
+
+def synthetic(
+    train_size: int = SyntheticConfig.train_size,
+    val_size: int = SyntheticConfig.val_size,
+    in_channels: int = SyntheticConfig.in_channels,
+    image_size: int = SyntheticConfig.image_size,
+    num_classes: int = SyntheticConfig.num_classes,
+    seed: int = SyntheticConfig.seed,
+    **_: object,
+) -> Splits:
+    """Random CIFAR-shaped images; labels come from a fixed random projection, so they are
+    learnable and losses fall, which keeps tests that compare runs meaningful."""
+    generator = torch.Generator().manual_seed(seed)
+    total = train_size + val_size
+    images = torch.randn(total, in_channels, image_size, image_size, generator=generator)
+    projection = torch.randn(
+        in_channels * image_size * image_size, num_classes, generator=generator
+    )
+    labels = (images.flatten(1) @ projection).argmax(dim=1)
+    return Splits(
+        train=TensorDataset(images[:train_size], labels[:train_size]),
+        val=TensorDataset(images[train_size:], labels[train_size:]),
+    )
+
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def _cifar_folder() -> type:
+    """torchvision's reader for the python-pickle batches with the checksums cleared
+    (torchvision then checks only that each file exists), so a local copy or a small file in
+    the same format is read as it is."""
+    from torchvision.datasets import CIFAR10
+
+    class CifarFolder(CIFAR10):
+        train_list = [[name, None] for name, _ in CIFAR10.train_list]
+        test_list = [[name, None] for name, _ in CIFAR10.test_list]
+        meta = {**CIFAR10.meta, "md5": None}
+
+    return CifarFolder
+
+
+def cifar10(root: str | None, download: bool = Cifar10Config.download,
+            augment: bool = Cifar10Config.augment, **_: object) -> Splits:  # fmt: skip
+    """CIFAR-10 from a local folder in torchvision's layout (`cifar-10-batches-py`)."""
+    # torchvision is imported here, not at the top: runs that use neither CIFAR-10 nor a
+    # ResNet need not pay its import at start-up.
+    import torchvision
+    from torchvision import transforms
+
+    path = Path(root or "data").expanduser()
+    if path.name == "cifar-10-batches-py":  # accept the batches folder itself
+        path = path.parent
+    normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+    train_tf = normalize
+    if augment:
+        train_tf = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
+        train_tf += normalize
+    dataset = torchvision.datasets.CIFAR10 if download else _cifar_folder()
+    return Splits(
+        train=dataset(
+            str(path), train=True, download=download, transform=transforms.Compose(train_tf)
+        ),
+        val=dataset(
+            str(path), train=False, download=False, transform=transforms.Compose(normalize)
+        ),
+    )
+
+
+class ShardSampler(Sampler[int]):
+    """Evaluation shard: indices rank, rank+W, ... with no padding and no duplicates, so
+    summed metrics over ranks equal the single-process ones exactly."""
+
+    def __init__(self, length: int, rank: int, world_size: int) -> None:
+        self.indices = range(rank, length, world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way through: a resumed run sees exactly
+    the samples the interrupted one had not reached, in the same order."""
+
+    skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.skip)
+
+
+def _loader_options(data_cfg, device: torch.device, collate_fn: Callable | None) -> dict:
+    workers = data_cfg["num_workers"]
+    return {
+        "num_workers": workers,
+        "pin_memory": bool(data_cfg["pin_memory"]) and device.type == "cuda",
+        "persistent_workers": bool(data_cfg["persistent_workers"]) and workers > 0,
+        "collate_fn": collate_fn,
+    }
+
+
+@dataclass(frozen=True)
+class Loaders:
+    """This rank's loaders: its shard of the training set (resumable mid-epoch) and of the
+    validation set (every sample exactly once over all ranks)."""
+
+    train: DataLoader
+    sampler: ResumableSampler
+    val: DataLoader
+    test: DataLoader | None = None
+
+
+def build_loaders(splits: Splits, data_cfg, env: DistEnv, seed: int, device: torch.device,
+                  collate_fn: Callable | None = None) -> Loaders:  # fmt: skip
+    train, sampler = train_loader(splits.train, data_cfg, env, seed, device, collate_fn)
+    test = None if splits.test is None else eval_loader(splits.test, data_cfg, env, device,
+                                                        collate_fn)  # fmt: skip
+    return Loaders(train, sampler, eval_loader(splits.val, data_cfg, env, device, collate_fn),
+                   test)
+
+
+def train_loader(
+    dataset: Dataset, data_cfg, env: DistEnv, seed: int, device: torch.device,
+    collate_fn: Callable | None = None,
+) -> tuple[DataLoader, ResumableSampler]:
+    sampler = ResumableSampler(
+        dataset,
+        num_replicas=env.world_size,
+        rank=env.rank,
+        shuffle=data_cfg["shuffle"],
+        seed=seed,
+        drop_last=data_cfg["drop_last"],
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=data_cfg["batch_size"],
+        sampler=sampler,
+        drop_last=data_cfg["drop_last"],
+        # A dedicated generator keeps loader construction off the global RNG stream.
+        generator=torch.Generator().manual_seed(seed + env.rank),
+        **_loader_options(data_cfg, device, collate_fn),
+    )
+    return loader, sampler
+
+
+def eval_loader(dataset: Dataset, data_cfg, env: DistEnv, device: torch.device,
+                collate_fn: Callable | None = None) -> DataLoader:  # fmt: skip
+    return DataLoader(
+        dataset,
+        batch_size=data_cfg["eval_batch_size"],
+        sampler=ShardSampler(len(dataset), env.rank, env.world_size),
+        **_loader_options(data_cfg, device, collate_fn),
+    )
+
+
+def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
+    """A batch of any nesting (tensors in tuples, lists, dicts) on `device`; 4-D floating
+    tensors (images) go channels-last when asked (trainer.channels_last)."""
+    if isinstance(batch, torch.Tensor):
+        if channels_last and batch.dim() == 4 and batch.is_floating_point():
+            return batch.to(device, non_blocking=True, memory_format=torch.channels_last)
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device, channels_last) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(v, device, channels_last) for v in batch))
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return type(batch)(to_device(v, device, channels_last) for v in batch)
+    return batch

@@ -1,0 +1,93 @@
+"""task=classification: class logits against integer labels (per sample, or per pixel)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick
+from framework.config.schemas import ClassificationConfig as Defaults
+from framework.core.exits import ConfigError
+
+
+class Classification(Task):
+    """Cross-entropy of `model(inputs)` ([N, C] or [N, C, ...] logits) against `targets`
+    ([N] or [N, ...] class indices). Batches are (inputs, targets) or {"inputs", "targets"}."""
+
+    name = "classification"
+    metrics = {"accuracy": "max", "loss": "min"}
+    states = ("loss", "correct", "count")
+    reads = "(inputs, targets) with integer class labels"
+    fix = ("for real-valued targets use task=regression; for token sequences "
+           "task=language_model")  # fmt: skip
+
+    def __init__(self, label_smoothing: float = Defaults.label_smoothing,
+                 ignore_index: int | None = Defaults.ignore_index) -> None:  # fmt: skip
+        self.label_smoothing = label_smoothing
+        self.ignore_index = ignore_index
+
+    def _split(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return model(pick(batch, 0, "inputs")), pick(batch, 1, "targets")
+
+    def _cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor,
+                       smoothing: float) -> torch.Tensor:  # fmt: skip
+        ignore = -100 if self.ignore_index is None else self.ignore_index
+        return F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=ignore,
+                               label_smoothing=smoothing)  # fmt: skip
+
+    def count(self, batch: Any) -> Count:
+        targets = pick(batch, 1, "targets")
+        if self.ignore_index is None:
+            return targets.numel()  # from the shape: no device work
+        return (targets != self.ignore_index).sum()
+
+    def loss(self, model: nn.Module, batch: Any) -> TaskLoss:
+        logits, targets = self._split(model, batch)
+        return TaskLoss(self._cross_entropy(logits, targets, self.label_smoothing))
+
+    def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        logits, targets = self._split(model, batch)
+        valid = torch.ones_like(targets, dtype=torch.bool) if self.ignore_index is None else (
+            targets != self.ignore_index)  # fmt: skip
+        return {
+            "loss": self._cross_entropy(logits, targets, 0.0),  # the plain loss, for comparison
+            "correct": ((logits.argmax(dim=1) == targets) & valid).sum(),
+            "count": valid.sum(),
+        }
+
+    def compute(self, totals: dict[str, float]) -> dict[str, float]:
+        return {"loss": mean(totals["loss"], totals["count"]),
+                "accuracy": mean(totals["correct"], totals["count"])}  # fmt: skip
+
+    def check(self, model: nn.Module, batch: Any) -> None:
+        try:
+            logits, targets = self._split(model, batch)
+        except Exception as error:  # noqa: BLE001
+            raise self.misfit(batch, f"{type(error).__name__}: {error}") from None
+        if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or \
+                targets.dtype == torch.bool:  # fmt: skip
+            raise self.misfit(batch, "its targets are not integer class labels")
+        if logits.dim() != targets.dim() + 1 or logits.shape[0] != targets.shape[0] or \
+                logits.shape[2:] != targets.shape[1:]:  # fmt: skip
+            raise ConfigError(
+                f"task=classification needs one logit per class for each target: the model "
+                f"returns {list(logits.shape)} for targets {list(targets.shape)}. For a model "
+                "with one output per sample and real-valued targets use task=regression"
+            )
+        if logits.shape[1] < 2:
+            raise ConfigError(
+                f"task=classification needs at least 2 class logits per target, the model "
+                f"returns {logits.shape[1]} (shape {list(logits.shape)}): set the model's "
+                "num_classes, or use task=regression for a single real-valued output"
+            )
+        valid = targets if self.ignore_index is None else targets[targets != self.ignore_index]
+        if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= logits.shape[1]):
+            raise ConfigError(
+                f"task=classification: labels run from {int(valid.min())} to "
+                f"{int(valid.max())} but the model has {logits.shape[1]} class logits: set "
+                "data.num_classes (the model's num_classes follows it)"
+            )
+        super().check(model, batch)

@@ -1,0 +1,53 @@
+"""One rank of a multi-process job, from start to exit code (framework/core/exits.py's table)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from omegaconf import DictConfig
+
+from framework.core.exits import Outcome, Rejected, Stopped, announce, outcome_of
+from framework.core.launch_context import DistEnv
+from framework.launch.failure_store import tell_launcher
+from framework.run.assemble import run
+
+
+def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None,
+               stop_exit_code: int | None = None) -> dict | None:  # fmt: skip
+    """Run this rank and return its summary, or leave with the exit code its launcher reads
+    (after a stop: stop_exit_code, if given)."""
+    try:
+        return run(cfg, run_dir, env, store)
+    except BaseException as error:  # noqa: BLE001 (every way out becomes an exit code)
+        outcome = report(error, env, cfg.dist.timeout_s, store)
+        if isinstance(error, Rejected):  # before training: a normal exit
+            raise SystemExit(outcome.code) from None
+        if stop_exit_code is not None and isinstance(error, Stopped):
+            exit_now(stop_exit_code)
+        exit_now(outcome.code)
+
+
+def report(error: BaseException, env: DistEnv, timeout_s: float, store=None) -> Outcome:
+    """Print what this rank prints for `error` and tell the launcher's store the reason."""
+    if isinstance(error, SystemExit):
+        raise error
+    outcome = outcome_of(error, env.rank, timeout_s)
+    announce(outcome)
+    if outcome.reason and store is not None:
+        tell_launcher(store, env.rank, outcome.reason)
+    return outcome
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave without the interpreter's shutdown. After a failed or abandoned collective, gloo's
+    worker thread may still hold work and need the GIL to drop it while shutdown waits: seen as
+    a rank that never exits (after a timeout, and once in ~50 runs after a NaN stop). The run's
+    files are closed by now (sinks close in `finally`); streams and log handlers are flushed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,81 @@
+"""launcher=torchrun: torch's elastic agent (the engine of the `torchrun` command), run from
+this process: restarts (launcher.max_restarts) and multi-node rendezvous, with the config
+resolved once here."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import tempfile
+import uuid
+from pathlib import Path
+
+from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from framework.core import launch_context, startup_clock
+from framework.core.exits import Stopped, root_cause
+from framework.launch import forkserver
+from framework.run.stopping import stop_signal_names
+
+
+def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
+    """The ranks as workers of torch's elastic agent, run from this process."""
+    launcher = cfg.launcher
+    # Restarted rounds re-create the store; sharing torchrun's store made gloo reconnects flaky.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The agent's own log folder (it would leave torchelastic_* in the temp dir): removed after.
+    agent_logs = tempfile.mkdtemp(prefix="framework-elastic-")
+    config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=agent_logs),
+        min_nodes=launcher.nnodes,
+        max_nodes=launcher.nnodes,
+        nproc_per_node=launcher.nproc_per_node,
+        run_id=run_dir.name + "-" + uuid.uuid4().hex[:8] if launcher.nnodes == 1 else run_dir.name,
+        rdzv_backend="c10d",
+        rdzv_endpoint=launcher.rdzv_endpoint,
+        rdzv_configs={"rank": launcher.node_rank} if launcher.nnodes > 1 else {},
+        max_restarts=launcher.max_restarts,
+        monitor_interval=launcher.monitor_interval_s,
+        # Forked from the fork server that has the training stack imported (forkserver.adopt
+        # keeps the variables the agent sets on top of the launcher's environment).
+        start_method=forkserver.START_METHOD,
+        # The agent passes these on to the ranks; by default it dies on SIGUSR1/2 instead and
+        # leaves its workers running.
+        signals_to_handle=",".join(stop_signal_names(list(cfg.trainer.stop_signals))),
+    )
+    try:
+        forkserver.warm_up()  # (already running when `train` started it)
+        elastic_launch(config, _elastic_worker)(cfg, run_dir, *forkserver.launcher_context())
+    except ChildFailedError as error:
+        codes = [0] * (launcher.nproc_per_node * launcher.nnodes)
+        for rank, failure in error.failures.items():
+            codes[rank] = failure.exitcode
+        cause = root_cause(codes)
+        if cause is not None:
+            raise cause from None
+    except SignalException as error:  # the agent waited for the ranks to save and stop
+        raise Stopped(signal.Signals(error.sigval).name) from None
+    finally:
+        shutil.rmtree(agent_logs, ignore_errors=True)
+
+
+def _elastic_worker(cfg: DictConfig, run_dir: Path, environ: dict[str, str], cwd: str,
+                    stdio: list[int]) -> None:  # fmt: skip
+    forkserver.adopt(environ, cwd, stdio)
+    here = launch_context.current()
+    if here.restarted():  # the launcher's marks are those of the first round
+        startup_clock.count_from_now()
+    startup_clock.mark("start ranks")
+    # Imported in the rank (the fork server has it loaded): the launcher never needs it.
+    from framework.launch.rank_process import run_worker
+
+    # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra,
+    # so this rank must not wait for another rank's config the way an external torchrun does.
+    env = dataclasses.replace(here.dist_env(), source="elastic")
+    run_worker(cfg, run_dir, env)

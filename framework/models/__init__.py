@@ -1,6 +1,0 @@
-"""Reference models, reached from config through `_target_`."""
-
-from framework.models.generative import GPT, VAE, FeedForward
-from framework.models.small import MLP, SmallCNN, resnet18_cifar, resnet50
-
-__all__ = ["GPT", "MLP", "VAE", "FeedForward", "SmallCNN", "resnet18_cifar", "resnet50"]

@@ -1,0 +1,349 @@
+"""What one rank does: the one place that wires objects together.
+
+config -> process group -> components (instantiated from their groups) -> Runner -> sinks.
+Every launcher calls `run()` on every rank with the same resolved config and run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+# Imported with this module, before any process group exists. DDP's constructor imports it
+# anyway; imported there, after gloo's threads had started, it made successful ranks abort at
+# exit ("terminate called without an active exception") in 3 of ~100 runs (torch 2.13).
+import torch._dynamo  # noqa: F401
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from framework.components.data import Loaders, Splits, build_loaders, to_device
+from framework.components.ema import EMA
+from framework.components.loggers import build_sink, setup_logging
+from framework.components.optim import build_optimizer, scaled_lr
+from framework.components.tasks import Task, first_batch
+from framework.config.redaction import redacted_container
+from framework.config.validation import resolve_monitor, resolve_objective
+from framework.core import startup_clock
+from framework.core.distributed import (
+    broadcast_object,
+    host_group,
+    limit_cpu_threads,
+    pick_backend,
+    pick_device,
+    process_group,
+    wrap_ddp,
+)
+from framework.core.exits import CheckpointError, ConfigError, NonFiniteLoss, Stopped
+from framework.core.launch_context import DistEnv
+from framework.run.loop import Model, Optimization, Runner, evaluate, planned_steps
+from framework.run.plots import plot_run, save_image_grid, try_plot
+from framework.run.stopping import StopRequests
+from framework.storage.checkpoint import (
+    Checkpointer,
+    check_model_keys,
+    restore_rng,
+    rng_state,
+    training_settings,
+)
+from framework.storage.checkpoint import read as read_checkpoint
+from framework.storage.run_dir import RunDir
+
+log = logging.getLogger("framework")
+
+
+def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, Any] | None:
+    """Train on this rank. Returns the summary on rank 0, None elsewhere."""
+    device = pick_device(env)
+    limit_cpu_threads(env)
+    backend = pick_backend(cfg.dist.backend, device)
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto "
+            "(gloo on CPU) or dist.backend=gloo"
+        )
+    # Installed first: a signal during start-up stops the run at its first step.
+    requests = StopRequests(list(cfg.trainer.stop_signals)).install()
+    try:
+        with process_group(env, backend, cfg.dist.timeout_s, store):
+            startup_clock.mark("process group")
+            if env.composed_own_config and env.distributed:
+                cfg, run_dir = broadcast_object((cfg, run_dir))  # rank 0's config runs
+            setup_logging(env.is_main, env.rank, RunDir(run_dir).log)
+            return _train(cfg, RunDir(run_dir), env, device, backend, requests)
+    except Stopped as stop:
+        if env.is_main:
+            log.warning("%s. %s", stop, RunDir(run_dir).resume_hint(cfg))
+        raise
+    except NonFiniteLoss as error:
+        if env.is_main:
+            log.error("%s", error)
+        raise
+    finally:
+        requests.uninstall()
+
+
+def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, backend: str,
+           requests: StopRequests) -> dict[str, Any] | None:  # fmt: skip
+    t = cfg.trainer
+    global_batch_size = cfg.data.batch_size * env.world_size * t.grad_accum
+    log.info(
+        "world_size=%d backend=%s device=%s | global batch %d = %d per rank x %d ranks x %d "
+        "accumulation steps | run dir %s",
+        env.world_size, backend, device.type, global_batch_size, cfg.data.batch_size,
+        env.world_size, t.grad_accum, run.path,
+    )  # fmt: skip
+    seed_everything(t.seed)  # same seed on every rank: identical initial weights
+    log.info("Instantiating task <%s>", cfg.task._target_)
+    task = instantiate(cfg.task)
+    splits, loaders = build_data(cfg, env, device, global_batch_size)
+    startup_clock.mark("data")
+    total_steps = planned_steps(t, steps_per_epoch=len(loaders.train) // t.grad_accum)
+    model = build_model(cfg, env, device)
+    check_task(task, model.module, splits, loaders, device)
+    startup_clock.mark("model")
+    if cfg.mode == "eval":
+        return evaluate_checkpoint(cfg, run, env, device, task, loaders, model)
+    seed_everything(t.seed + env.rank)  # per-rank streams from here on (dropout, augmentation)
+    optimization = build_optimization(cfg, env, device, model, global_batch_size, total_steps)
+    if t.compile:
+        # After the comm hook is registered on the DDP wrapper, which is what gets compiled;
+        # checkpoints keep the bare module's keys.
+        model = dataclasses.replace(model, train=torch.compile(model.train))
+
+    # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
+    # key still resumes).
+    record = redacted_container(cfg)
+    checkpointer = Checkpointer(cfg.checkpoint, run.checkpoints, env, training_settings(record))
+    resumed = checkpointer.find_resume()
+    if resumed and is_complete(resumed[1], total_steps) and run.summary.exists():
+        log.info(
+            "%s is complete at step %d (%s): nothing to do; raise trainer.max_steps or "
+            "trainer.max_epochs to train further", run.path, resumed[1]["step"],
+            resumed[1]["trainer"].get("stopped_early") or f"the planned {total_steps} steps",
+        )  # fmt: skip
+        return run.read_summary() if env.is_main else None
+    if env.is_main:
+        accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
+    sink = build_sink(env.is_main, cfg.logger, run, record,
+                      resume_ids=resumed[1]["logger_ids"] if resumed else {},
+                      resume_step=resumed[1]["step"] if resumed else 0)  # fmt: skip
+    checkpointer.logger_ids = sink.run_ids
+    try:
+        runner = Runner(
+            env=env, device=device, trainer=SimpleNamespace(**OmegaConf.to_container(t)),
+            task=task, model=model, loaders=loaders, optimization=optimization, sink=sink,
+            checkpointer=checkpointer, stop_requests=requests,
+            control_group=host_group(env, backend),
+            monitor=resolve_monitor(cfg.objective, task.directions()),
+            profile_dir=run.path / "profile",
+        )  # fmt: skip
+        if resumed:
+            path, payload = resumed
+            runner.load_checkpoint(path, payload)
+            log.info("resumed from %s at step %d (epoch %d)", path, runner.state.step,
+                     runner.state.epoch)  # fmt: skip
+        startup_clock.mark("setup")
+        summary = runner.fit()
+        objective, direction = resolve_objective(cfg.objective, task.directions())
+        summary.update(objective=objective, objective_direction=direction)
+        sink.summary(summary)
+        if env.is_main:
+            made = write_artifacts(task, runner.evaluated_model(), splits, loaders, device, run)
+            try_plot(plot_run, run.path)
+            sink.add_files([*made, run.curves] if run.curves.exists() else made)
+    finally:
+        sink.close()
+    if not env.is_main:
+        return None
+    log.info("done: %s", final_line(summary, task, run))
+    return summary
+
+
+def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
+    """A checkpoint at the planned last step, or of a run that early stopping ended."""
+    return payload["step"] >= total_steps or bool(payload["trainer"].get("stopped_early"))
+
+
+# Settings that change which examples or weights an evaluation sees; loader settings do not.
+EVAL_MUST_MATCH = ("task.", "model.", "data.")
+EVAL_MAY_DIFFER = ("data.batch_size", "data.eval_batch_size", "data.num_workers",
+                   "data.pin_memory", "data.persistent_workers", "data.shuffle",
+                   "data.drop_last", "data.root", "data.download")  # fmt: skip
+
+
+def evaluate_checkpoint(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device,
+                        task: Task, loaders: Loaders, model: Model) -> dict[str, Any] | None:
+    """mode=eval: the checkpoint's weights (its EMA's with trainer.ema_decay) on eval.split,
+    reduced exactly over the ranks, into this run dir (inside the checkpoint's run dir)."""
+    split = cfg.eval.split
+    loader = loaders.val if split == "val" else loaders.test
+    if loader is None:
+        raise ConfigError(f"eval.split=test: data={cfg.data._target_} has no test split here "
+                          "(set data.test_fraction, for the data options that have one)")
+    path = Path(cfg.checkpoint.resume).expanduser()
+    payload = read_checkpoint(path)
+    _check_same_experiment(path, payload, redacted_container(cfg))
+    evaluated = model.ema.module if model.ema is not None and payload["ema"] else model.module
+    check_model_keys(path, payload["ema" if evaluated is not model.module else "model"],
+                     evaluated)  # fmt: skip
+    evaluated.load_state_dict(payload["ema" if evaluated is not model.module else "model"])
+    precision = instantiate(cfg.precision)(device=device)
+    metrics = evaluate(task, evaluated, loader, precision,
+                       lambda batch: to_device(batch, device, cfg.trainer.channels_last), split)
+    if not env.is_main:
+        return None
+    name, direction = resolve_objective(cfg.objective, task.directions())
+    summary = {"mode": "eval", "checkpoint": str(path.resolve()), "step": payload["step"],
+               "split": split, **metrics, "world_size": env.world_size,
+               "objective": name.replace("val/", f"{split}/", 1),
+               "objective_direction": direction}  # fmt: skip
+    run.save_config(redacted_container(cfg))
+    run.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    values = " ".join(f"{key}={value:.4f}" for key, value in metrics.items())
+    log.info("done: evaluated %s (step %d) on %s: %s run_dir=%s", path, payload["step"], split,
+             values, run.path)  # fmt: skip
+    return summary
+
+
+def _check_same_experiment(path: Path, payload: dict[str, Any], record: dict[str, Any]) -> None:
+    """The task, model and data settings must be the training run's: the keys differing are
+    named, with the overrides the run was started with (its .hydra/overrides.yaml)."""
+    now = training_settings(record)
+    differing = sorted(
+        key for key in payload["config"].keys() | now.keys()
+        if key.startswith(EVAL_MUST_MATCH) and not key.startswith(EVAL_MAY_DIFFER)
+        and payload["config"].get(key) != now.get(key)
+    )  # fmt: skip
+    if not differing:
+        return
+    shown = "; ".join(f"{key}: {payload['config'].get(key, '(absent)')} in the checkpoint, "
+                      f"{now.get(key, '(absent)')} now" for key in differing[:4])  # fmt: skip
+    overrides = next((folder / ".hydra" / "overrides.yaml" for folder in path.resolve().parents
+                      if (folder / ".hydra" / "overrides.yaml").exists()), None)  # fmt: skip
+    started = (f" (the run was started with: {' '.join(OmegaConf.load(overrides))})"
+               if overrides is not None else "")  # fmt: skip
+    raise CheckpointError(f"{path} was trained with other task, model or data settings: "
+                          f"{shown}. Evaluate with the training command's settings{started}")
+
+
+def final_line(summary: dict[str, Any], task: Task, run: RunDir) -> str:
+    """The objective first, then the task's other metrics, then how the run went."""
+    names = [summary["objective"], *(name for name in task.directions()
+                                     if name != summary["objective"]),
+             *(name for name in summary if name.startswith("test/") and name != "test/weights")]
+    metrics = " ".join(f"{name}={summary[name]:.4f}" for name in names)
+    return (f"{metrics} steps={summary['steps']} samples/s={summary['samples_per_s']:.0f} "
+            f"wall={summary['wall_s']:.1f}s run_dir={run.path}")  # fmt: skip
+
+
+def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:
+    """The run goes ahead in this dir (a refused resume has changed nothing before this)."""
+    run.save_config(record)
+    # A resume, or a restart (torchrun, SLURM requeue) that found no checkpoint: from 0.
+    dropped = run.trim_metrics(kept_step)
+    if dropped:
+        log.info("metrics.jsonl: %d events after step %d dropped; they are re-run", dropped,
+                 kept_step)  # fmt: skip
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_data(cfg: DictConfig, env: DistEnv, device: torch.device,
+               global_batch_size: int) -> tuple[Splits, Loaders]:  # fmt: skip
+    log.info("Instantiating data <%s>", cfg.data._target_)
+    splits = instantiate(cfg.data, collate_fn=None)  # the loaders' collate_fn is built below
+    collate_node = cfg.data.get("collate_fn")
+    collate_fn = instantiate(collate_node) if collate_node is not None else None
+    loaders = build_loaders(splits, cfg.data, env, cfg.trainer.seed, device, collate_fn)
+    if len(loaders.train) < cfg.trainer.grad_accum:
+        raise ConfigError(
+            f"the training set ({len(splits.train)} samples) is smaller than one global batch "
+            f"({global_batch_size}): lower data.batch_size, trainer.grad_accum or "
+            "launcher.nproc_per_node"
+        )
+    return splits, loaders
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Whatever runs inside draws nothing from the streams training uses."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        restore_rng(state)
+
+
+@torch.no_grad()
+def check_task(task: Task, module: torch.nn.Module, splits: Splits, loaders: Loaders,
+               device: torch.device) -> None:  # fmt: skip
+    """The task on a real training batch, before anything is written: a task that cannot read
+    the data, or a model whose outputs do not fit it, is a ConfigError naming the fix (every
+    rank sees the same batch and raises alike). Eval mode and saved RNG: training is unchanged."""
+    batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
+    module.eval()
+    with preserved_rng():
+        task.check(module, to_device(batch, device))
+    module.train()
+
+
+def write_artifacts(task: Task, model: torch.nn.Module, splits: Splits, loaders: Loaders,
+                    device: torch.device, run: RunDir) -> list[Path]:
+    """What the task makes from the trained model (pictures, text), into the run dir."""
+    batch = first_batch(splits.val, loaders.val.batch_size, loaders.val.collate_fn)
+    model.eval()
+    with preserved_rng(), torch.no_grad():
+        made = task.artifacts(model, to_device(batch, device), splits.decode)
+    for name, content in made.items():
+        if isinstance(content, str):
+            (run.path / name).write_text(content)
+        else:
+            try_plot(save_image_grid, content, run.path / name)
+    return [run.path / name for name in made if (run.path / name).exists()]
+
+
+def build_model(cfg: DictConfig, env: DistEnv, device: torch.device) -> Model:
+    """The bare model on the device, what forward runs on (DDP, compiled), and its EMA."""
+    t = cfg.trainer
+    log.info("Instantiating model <%s>", cfg.model._target_)
+    module = instantiate(cfg.model)
+    if t.sync_batchnorm and env.distributed:
+        if device.type != "cuda":
+            raise ConfigError(
+                "trainer.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm is "
+                "GPU-only): set trainer.sync_batchnorm=false on CPU"
+            )
+        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    module = module.to(device)
+    if t.channels_last:
+        module = module.to(memory_format=torch.channels_last)
+    train = wrap_ddp(module, device, cfg.dist.ddp) if env.distributed else module
+    return Model(train, module, EMA(module, t.ema_decay) if t.ema_decay is not None else None)
+
+
+def build_optimization(cfg: DictConfig, env: DistEnv, device: torch.device, model: Model,
+                       global_batch_size: int, total_steps: int) -> Optimization:  # fmt: skip
+    """Precision, the DDP comm hook (registered on the model), optimizer and schedule."""
+    precision = instantiate(cfg.precision)(device=device)
+    comm = instantiate(cfg.comm)(env=env)
+    comm.guard_nonfinite = cfg.trainer.on_nonfinite == "skip"
+    comm.attach(model.train, model.module, grad_scale=precision.loss_scale)
+    lr = scaled_lr(cfg.optimizer, global_batch_size)
+    log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)
+    optimizer = build_optimizer(cfg.optimizer, model.module, lr)
+    scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=total_steps)
+    return Optimization(optimizer, scheduler, precision, comm)

@@ -1,0 +1,634 @@
+"""The one training loop: fit() -> train_step() / evaluate() -> metric sinks."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from framework.components.comm import Comm
+from framework.components.data import Loaders, to_device
+from framework.components.ema import EMA
+from framework.components.loggers import MetricSink
+from framework.components.precision import Precision
+from framework.components.tasks import Task
+from framework.components.tasks.base import Count
+from framework.core import startup_clock
+from framework.core.distributed import all_reduce_sum, broadcast_object
+from framework.core.exits import ReplicasDiverged, Stopped
+from framework.core.launch_context import DistEnv
+from framework.run.stopping import NonFinitePolicy, NonFiniteWatch, SignalExchange, StopRequests
+from framework.storage.checkpoint import Checkpointer, check_model_keys, restore_rng, rng_state
+from framework.storage.checkpoint import read as read_checkpoint
+
+log = logging.getLogger("framework")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """Everything that advances as training goes; small and explicit."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_seen: int = 0
+    train_seconds: float = 0.0
+    nonfinite_skipped: int = 0
+    best: list[list[float]] = dataclasses.field(default_factory=list)  # [score, step], best first
+    best_score: float | None = None  # the monitored metric's best so far (early stopping)
+    stale_evaluations: int = 0  # evaluations since it last improved by min_delta
+    stopped_early: str | None = None  # why, once early stopping ended the run
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model in its three roles."""
+
+    train: nn.Module  # what forward/backward run on (DDP-wrapped, compiled)
+    module: nn.Module  # the bare model under it: its state_dict is what is saved
+    ema: EMA | None = None  # evaluated instead of `module` when set
+
+
+@dataclass(frozen=True)
+class Optimization:
+    optimizer: Optimizer
+    scheduler: LRScheduler
+    precision: Precision
+    comm: Comm
+
+
+def micro_batch_groups(loader: Iterable, size: int) -> Iterator[list]:
+    """Consecutive groups of `size` micro-batches; a short tail group is dropped."""
+    iterator = iter(loader)
+    while len(group := list(itertools.islice(iterator, size))) == size:
+        yield group
+
+
+class Runner:
+    """fit() trains to the planned step, saving, logging and evaluating on the way.
+
+    What a checkpoint holds is the registry below: `shared` (identical on every rank; rank 0's
+    copy is saved) and `per_rank` (RNG streams, the loader's position, comm-hook memory). A new
+    stateful component is one entry with state_dict() / load_state_dict()."""
+
+    def __init__(
+        self,
+        *,
+        env: DistEnv,
+        device: torch.device,
+        trainer: SimpleNamespace,  # trainer.* as plain attributes (read every step)
+        task: Task,
+        model: Model,
+        loaders: Loaders,
+        optimization: Optimization,
+        sink: MetricSink,
+        checkpointer: Checkpointer,
+        stop_requests: StopRequests,
+        control_group: dist.ProcessGroup | None = None,  # a CPU (gloo) group for stop signals
+        monitor: tuple[str, str] = ("val/loss", "min"),  # the metric best/early stopping follow
+        profile_dir: Path | None = None,  # where trainer.profile_steps' trace goes (rank 0)
+    ) -> None:
+        self.env, self.device, self.cfg, self.task = env, device, trainer, task
+        self.model, self.module, self.ema = model.train, model.module, model.ema
+        self.params = list(model.module.parameters())  # walked every step: listed once
+        self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
+        self.precision, self.comm = optimization.precision, optimization.comm
+        self.train_loader, self.train_sampler = loaders.train, loaders.sampler
+        self.val_loader, self.test_loader = loaders.val, loaders.test
+        self.monitor, self.maximize = monitor[0], monitor[1] == "max"
+        self.profiler = _StepProfiler(trainer.profile_steps, profile_dir if env.is_main else None)
+        self._last_evaluation: tuple[int, dict[str, float]] | None = None
+        self.sink, self.checkpointer = sink, checkpointer
+        self.global_batch_size = loaders.train.batch_size * env.world_size * trainer.grad_accum
+        self.steps_per_epoch = len(loaders.train) // trainer.grad_accum
+        self.total_steps = planned_steps(trainer, self.steps_per_epoch)
+        self.signals = SignalExchange(env, stop_requests, control_group)
+        self.watch = NonFiniteWatch(env, device)
+        self.nonfinite = NonFinitePolicy(trainer.on_nonfinite)
+        # trainer.on_nonfinite=skip drops a step's update on the device where the optimizer
+        # takes GradScaler's found_inf (torch's fused SGD/Adam/AdamW); others need a host read.
+        self.skip_on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
+        self._one = torch.ones((), device=device)  # the "scale" of the gradient check
+        self._true = torch.ones((), dtype=torch.bool, device=device)
+        self.state = TrainState()
+        self.window = _Window(device, extras=task.train_sums)
+        self.rng = _RNGStreams()
+        self.position = _LoaderPosition(loaders.train.generator)
+        self.shared: dict[str, Stateful | None] = {
+            "model": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler,
+            "precision": self.precision, "ema": self.ema, "trainer": self.state,
+        }  # fmt: skip
+        self.per_rank: dict[str, Stateful] = {
+            "rng": self.rng, "loader_generator": self.position, "comm": self.comm,
+            "window": self.window,
+        }  # fmt: skip
+
+    # --- the loop ---------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train to the planned step (or a stop), save, evaluate, test; returns the summary."""
+        started = time.perf_counter()
+        stop_signal = self._train_loop()
+        self.signals.collect()  # the last step's exchange: nothing may stay in flight
+        self.look_for_nonfinite()
+        self.state.train_seconds += self.window.pause()
+        final_save = self.checkpointer.cfg.final
+        if stop_signal:
+            path = self.save_checkpoint() if final_save else None
+            raise Stopped(stop_signal, self.state.step, path and str(path))
+        if final_save:
+            self.save_checkpoint()
+        self.check_replicas_agree()
+        final = self.final_evaluation()
+        return self.summary({**final, **self.test()}, wall_s=time.perf_counter() - started)
+
+    def _train_loop(self) -> str | None:
+        """Steps until the plan is done, every rank agreed on a stop signal (returned), or
+        early stopping ended the run."""
+        progress = tqdm(
+            total=self.total_steps,
+            initial=self.state.step,
+            desc="train",
+            disable=not (self.env.is_main and self.cfg.progress_bar and sys.stderr.isatty()),
+        )
+        window = self.window
+        window.resume()
+        final_save = self.checkpointer.cfg.final
+        first_step = self.state.step + 1
+        stop_signal = None
+        while not self.done() and stop_signal is None:
+            for micro_batches in micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum):
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.profiler.before(self.state.step + 1)
+                step_totals, agreed_signal = self.train_step(micro_batches)
+                self.state.step += 1
+                self.profiler.after(self.state.step)
+                if self.state.step == first_step:
+                    self._log_startup()
+                window.add(step_totals)
+                progress.update()
+                if self.logs_at(self.state.step):
+                    self.log_train(window, lr)
+                # The last step's evaluation is the final one, after the final save.
+                if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0 and \
+                        not self.finished():  # fmt: skip
+                    window.pause()
+                    self.after_evaluation(self.log_eval(), periodic=True)
+                    window.resume()
+                ending = agreed_signal or self.done()
+                if self.checkpointer.due(self.state.step) and not (ending and final_save):
+                    self.save_checkpoint()
+                if ending:
+                    stop_signal = agreed_signal
+                    break
+            else:
+                self.state.epoch += 1
+        progress.close()
+        if self.state.stopped_early and self.env.is_main:
+            log.warning("%s; stopping at step %d", self.state.stopped_early, self.state.step)
+        return stop_signal
+
+    def _log_startup(self) -> None:
+        startup_clock.mark("first step")
+        line = startup_clock.summary()
+        if line and self.env.is_main:
+            log.info("start-up: %s", line)
+
+    def _epoch_batches(self) -> Iterator:
+        """This epoch's loader iterator, starting where the (resumed) run stands in it."""
+        done_in_epoch = self.state.step - self.state.epoch * self.steps_per_epoch
+        self.train_sampler.set_epoch(self.state.epoch, skip=done_in_epoch * self.cfg.grad_accum
+                                     * self.train_loader.batch_size)  # fmt: skip
+        self.position.start_epoch()  # iter() below draws from the loader's generator
+        batches = iter(self.train_loader)
+        # After iter(): building the iterator must not consume the restored streams.
+        self.rng.apply_restored()
+        return batches
+
+    def to_device(self, batch: Any) -> Any:
+        return to_device(batch, self.device, self.cfg.channels_last)
+
+    def train_step(self, micro_batches: list) -> tuple[torch.Tensor, str | None]:
+        """One optimizer step over grad_accum micro-batches. Returns this rank's [loss sum, item
+        count, train sums...] for the log window (on the device; zeros when the update was
+        dropped) and the stop signal every rank agreed on a step earlier. Reads nothing that the
+        device computed: the step never waits for it."""
+        if not self.module.training:  # only after an evaluation: train() walks every module
+            self.model.train()
+        counts = [self.task.count(batch) for batch in micro_batches]
+        scale = self._per_item(counts)
+        totals = torch.zeros(2 + len(self.task.train_sums), dtype=torch.float64,
+                             device=self.device)  # fmt: skip
+        last = len(micro_batches) - 1
+        for index, batch in enumerate(micro_batches):
+            batch = self.to_device(batch)
+            # Only the last micro-batch synchronises gradients; the others accumulate locally.
+            sync = index == last or not self.env.distributed
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                with self.precision.forward_context():
+                    loss = self.task.loss(self.model, batch)
+                self.precision.backward(loss.total * scale)
+            totals[0] += loss.total.detach()
+            for position, name in enumerate(self.task.train_sums, start=2):
+                totals[position] += loss.sums[name]
+        totals[1] += sum(counts)
+        step = self.state.step + 1
+        agreed_signal = self.signals.exchange(step, logging=self.logs_at(step))
+        found_inf = self._grads_found_inf()
+        applied = self._apply_update(found_inf)
+        self.watch.add(step, totals, found_inf,
+                       dropped=None if applied is None else ~applied)  # fmt: skip
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.state.samples_seen += self.global_batch_size
+        # A dropped update's loss is not averaged into train/loss.
+        kept = totals if applied is None else torch.where(applied, totals, 0.0)
+        return kept, agreed_signal
+
+    def _apply_update(self, found_inf: torch.Tensor | None) -> torch.Tensor | None:
+        """The optimizer step (and the EMA's). With trainer.on_nonfinite=skip the update is
+        dropped where the gradients are non-finite; returns whether it was applied (a device
+        flag), or None under `stop` (nothing after it is ever saved)."""
+        clip = self.cfg.clip_grad_norm
+        if self.nonfinite.stops or found_inf is None:  # (None: amp's scaler skips it itself)
+            self.precision.step(self.optimizer, self.params, clip)
+            applied = None if self.nonfinite.stops else self._true
+        elif self.skip_on_device:
+            self.precision.step(self.optimizer, self.params, clip, found_inf=found_inf)
+            applied = found_inf == 0
+        else:  # an optimizer that cannot skip on the device: one host read per step
+            applied = found_inf == 0
+            if bool(applied):
+                self.precision.step(self.optimizer, self.params, clip)
+        if self.ema is not None:
+            self.ema.update(self.module, applied)
+        return applied
+
+    def _per_item(self, counts: list[Count]) -> float | torch.Tensor:
+        """What each micro-batch's summed loss is multiplied by: world_size / the items of the
+        whole step (every micro-batch of every rank). DDP averages gradients over the ranks, so
+        the step's gradient is that of the mean loss over all of its items. A count that
+        follows from shapes (an int) is the same on every rank: no collective."""
+        if all(isinstance(count, int) for count in counts):
+            return 1.0 / max(sum(counts), 1)
+        # Counted on the host's copy of the batch; pinned, the copy waits for no device work.
+        local = sum(torch.as_tensor(count, dtype=torch.float64) for count in counts)
+        if self.device.type == "cuda":
+            local = local.pin_memory()
+        total = all_reduce_sum(local.to(self.device, non_blocking=True))  # one small collective
+        return self.env.world_size / total.clamp_min(1.0)
+
+    def _grads_found_inf(self) -> torch.Tensor | None:
+        """A device flag as GradScaler makes it (1.0: some gradient is inf or NaN), found in
+        one fused pass by GradScaler's own check with the scale 1 (a multiplication by 1 leaves
+        every gradient bit-identical). None under amp, whose scaler checks and skips itself.
+        After DDP's synchronisation the gradients are identical on every rank, so this rank's
+        answer is every rank's, at the same step, with no exchange."""
+        if self.precision.skips_nonfinite_grads:
+            return None
+        found_inf = torch.zeros((), device=self.device)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self._one)
+        return found_inf
+
+    def look_for_nonfinite(self, rider: torch.Tensor | None = None) -> list[float]:
+        """Collective, before anything is logged or saved: a non-finite loss or gradient since
+        the last look stops the run (nothing after it is written) or is reported as skipped.
+        `rider` is summed over the ranks in the same all-reduce and returned."""
+        report, summed = self.watch.look_carrying(rider)
+        if report is not None:
+            self.nonfinite.handle(report, self.epoch_of, self.checkpointer.last_path)
+            self.state.nonfinite_skipped += report.dropped
+        return summed
+
+    def epoch_of(self, step: int) -> int:
+        return (step - 1) // max(self.steps_per_epoch, 1)
+
+    def epochs_done(self) -> float:
+        return round(self.state.step / max(self.steps_per_epoch, 1), 4)
+
+    def logs_at(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0 or step >= self.total_steps
+
+    def finished(self) -> bool:
+        return self.state.step >= self.total_steps
+
+    def done(self) -> bool:
+        return self.finished() or self.state.stopped_early is not None
+
+    def evaluate(self, loader: DataLoader | None = None, split: str = "val") -> dict[str, float]:
+        """The task's metrics over a whole split (`split/<metric>`), exact on any world size."""
+        return evaluate(self.task, self.evaluated_model(), loader or self.val_loader,
+                        self.precision, self.to_device, split)  # fmt: skip
+
+    def final_evaluation(self) -> dict[str, float]:
+        """The end's evaluation; the last periodic one if it was at this very step (early
+        stopping right after it), which is then not run or logged again."""
+        if self._last_evaluation is not None and self._last_evaluation[0] == self.state.step:
+            return self._last_evaluation[1]
+        metrics = self.evaluate()
+        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
+        self.after_evaluation(metrics, periodic=False)
+        return metrics
+
+    def after_evaluation(self, metrics: dict[str, float], periodic: bool) -> None:
+        """Keep a best checkpoint (checkpoint.best) and count toward early stopping. Every rank
+        has the same metrics (one all-reduce), so every rank decides the same."""
+        self._last_evaluation = (self.state.step, metrics)
+        score = metrics.get(self.monitor, math.nan)
+        if math.isnan(score):
+            return
+        keep = self.checkpointer.cfg.best
+        worst = self.state.best[-1][0] if len(self.state.best) >= keep > 0 else None
+        if keep and (worst is None or self._better(score, worst, 0.0)):
+            self.save_checkpoint(best=(score, self.maximize))
+            ranked = sorted([*self.state.best, [score, self.state.step]], reverse=self.maximize,
+                            key=lambda entry: entry[0])  # fmt: skip
+            self.state.best = ranked[:keep]
+        stopping = self.cfg.early_stopping
+        if not periodic or stopping["patience"] is None:
+            return
+        if self.state.best_score is None or self._better(score, self.state.best_score,
+                                                         stopping["min_delta"]):  # fmt: skip
+            self.state.best_score, self.state.stale_evaluations = score, 0
+            return
+        self.state.stale_evaluations += 1
+        if self.state.stale_evaluations >= stopping["patience"]:
+            self.state.stopped_early = (
+                f"early stopping: {self.monitor} did not improve by {stopping['min_delta']:g} "
+                f"for {stopping['patience']} evaluations (best {self.state.best_score:.6g})"
+            )
+
+    def _better(self, score: float, than: float, by: float) -> bool:
+        return score > than + by if self.maximize else score < than - by
+
+    def test(self) -> dict[str, float]:
+        """test/* metrics, when the data has a test split: with the best checkpoint's weights
+        (checkpoint.best), else with the final ones."""
+        if self.test_loader is None:
+            return {}
+        best = broadcast_object(self.checkpointer.best_path() if self.env.is_main else None)
+        if best is not None:
+            payload = read_checkpoint(best)
+            target = self.ema if self.ema is not None else self.module
+            target.load_state_dict(payload["ema" if self.ema is not None else "model"])
+        metrics = self.evaluate(self.test_loader, split="test")
+        source = f"best checkpoint ({best.resolve().name})" if best else "final weights"
+        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics,
+                       "test/weights": source})  # fmt: skip
+        return {**metrics, "test/weights": source}
+
+    def evaluated_model(self) -> nn.Module:
+        """The weights evaluation uses: the EMA's when trainer.ema_decay is set."""
+        return self.ema.module if self.ema is not None else self.module
+
+    # --- sinks ------------------------------------------------------------------------------
+    def log_train(self, window: _Window, lr: float) -> None:
+        # The window's sums over all ranks ride on the look's all-reduce: the logging step's
+        # one collective and one read of the device.
+        loss, count, *sums = self.look_for_nonfinite(rider=window.totals)
+        per_item = {f"train/{name}": value / max(count, 1)
+                    for name, value in zip(self.task.train_sums, sums, strict=True)}  # fmt: skip
+        steps, seconds = window.steps, window.close()
+        self.state.train_seconds += seconds
+        event = {
+            "step": self.state.step,
+            "epoch": self.epochs_done(),
+            "train/loss": loss / max(count, 1),
+            **per_item,
+            "lr": lr,
+            "samples_per_s": steps * self.global_batch_size / max(seconds, 1e-9),
+            "train/nonfinite_skipped": self.state.nonfinite_skipped,
+            **self.precision.metrics(),
+            **self.comm.metrics(),
+        }
+        self.sink.log(event)
+
+    def log_eval(self) -> dict[str, float]:
+        self.look_for_nonfinite()
+        metrics = self.evaluate()
+        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
+        return metrics
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, best: tuple[float, bool] | None = None) -> Path:
+        self.look_for_nonfinite()
+
+        def shared() -> dict[str, Any]:  # built on rank 0 only
+            states = {key: None if item is None else item.state_dict()
+                      for key, item in self.shared.items()}  # fmt: skip
+            return {**states, "steps_per_epoch": self.steps_per_epoch}
+
+        per_rank = {key: item.state_dict() for key, item in self.per_rank.items()}
+        return self.checkpointer.save(self.state.step, shared, per_rank, best=best)
+
+    def load_checkpoint(self, path: Path, payload: dict[str, Any]) -> None:
+        """Restore every registered state; the RNG streams and the loader's position apply
+        when fit() builds the epoch's iterator."""
+        check_model_keys(path, payload["model"], self.module)
+        for key, item in self.shared.items():
+            if item is not None and payload[key] is not None:
+                item.load_state_dict(payload[key])
+        mine = payload["ranks"][self.env.rank]
+        for key, item in self.per_rank.items():
+            item.load_state_dict(mine[key])
+
+    def check_replicas_agree(self) -> None:
+        """DDP keeps every rank's weights bit-identical. If they differ, the ranks did not
+        train one model: different configs (an lr per rank) or different code. Costs one tiny
+        all-gather per run."""
+        if not self.env.distributed:
+            return
+        checksum = torch.stack([p.detach().double().sum() for p in self.module.parameters()])
+        checksums = [torch.empty_like(checksum) for _ in range(self.env.world_size)]
+        dist.all_gather(checksums, checksum)
+        # Close, not bit-equal: ranks on different GPU models may round differently. NaN
+        # weights (a run that trained through non-finite steps) compare equal to NaN.
+        differing = [rank for rank, other in enumerate(checksums) if not torch.allclose(
+            other, checksums[0], rtol=1e-5, atol=1e-8, equal_nan=True)]  # fmt: skip
+        if differing:
+            raise ReplicasDiverged(
+                f"after step {self.state.step} the weights of rank(s) {differing} differ from "
+                "rank 0's: the ranks did not run the same config or code (one resolved config "
+                "for every rank is what the launchers guarantee; check custom launch scripts)"
+            )
+
+    def summary(self, final: dict[str, float], wall_s: float) -> dict[str, Any]:
+        summary = {
+            **final,
+            "steps": self.state.step,
+            "epochs": self.epochs_done(),
+            "world_size": self.env.world_size,
+            "global_batch_size": self.global_batch_size,
+            "samples_per_s": self.state.samples_seen / max(self.state.train_seconds, 1e-9),
+            "wall_s": wall_s,
+            **self.precision.metrics(),
+            **self.comm.metrics(),
+        }
+        if self.state.stopped_early:
+            summary["stopped_early"] = self.state.stopped_early
+        return summary
+
+
+class _Window:
+    """Since the last log event: [loss sum, item count, the task's train sums...] (on device)
+    and the training time."""
+
+    def __init__(self, device: torch.device, extras: tuple[str, ...] = ()) -> None:
+        self.totals = torch.zeros(2 + len(extras), dtype=torch.float64, device=device)
+        self.steps = 0
+        self.seconds = 0.0
+        self.started = time.perf_counter()
+
+    def add(self, step_totals: torch.Tensor) -> None:
+        self.totals += step_totals
+        self.steps += 1
+
+    def pause(self) -> float:
+        """Stop the clock (evaluation time is not training time); returns the seconds."""
+        self.seconds += time.perf_counter() - self.started
+        self.started = time.perf_counter()
+        return self.seconds
+
+    def resume(self) -> None:
+        self.started = time.perf_counter()
+
+    def close(self) -> float:
+        """Training seconds in this window; starts the next one."""
+        self.pause()
+        seconds = self.seconds
+        self.totals.zero_()
+        self.steps, self.seconds = 0, 0.0
+        self.resume()
+        return seconds
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"totals": self.totals.cpu(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.totals.copy_(state["totals"])
+        self.steps = state["steps"]
+
+
+class _StepProfiler:
+    """trainer.profile_steps = [first, last]: a torch.profiler trace of those optimizer steps,
+    written by rank 0 into <run dir>/profile/ (TensorBoard's profiler plugin and Perfetto read
+    it). Off: two integer comparisons per step."""
+
+    def __init__(self, steps: list[int], directory: Path | None) -> None:
+        self.first, self.last = (steps[0], steps[-1]) if steps and directory else (0, 0)
+        self.directory, self.profile = directory, None
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profile = torch.profiler.profile(activities=activities)
+            self.profile.__enter__()
+
+    def after(self, step: int) -> None:
+        if step == self.last and self.profile is not None:
+            self.profile.__exit__(None, None, None)
+            torch.profiler.tensorboard_trace_handler(str(self.directory))(self.profile)
+            log.info("profile of steps %d-%d: %s", self.first, self.last, self.directory)
+            self.profile = None
+
+
+class _RNGStreams:
+    """This process's python, numpy, torch and CUDA streams. A restored state is applied only
+    after the next epoch's iterator exists: building it draws from the global stream."""
+
+    def __init__(self) -> None:
+        self._restored: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = state
+
+    def apply_restored(self) -> None:
+        if self._restored is not None:
+            restore_rng(self._restored)
+            self._restored = None
+
+
+class _LoaderPosition:
+    """The training loader's generator as the current epoch began (shuffling and workers' seeds
+    come from it); the sampler's skip count comes from the step."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self._restored: torch.Tensor | None = None
+        self._epoch_start = generator.get_state()
+
+    def start_epoch(self) -> None:
+        if self._restored is not None:
+            self.generator.set_state(self._restored)
+            self._restored = None
+        self._epoch_start = self.generator.get_state()
+
+    def state_dict(self) -> torch.Tensor:  # type: ignore[override]
+        return self._epoch_start
+
+    def load_state_dict(self, state: torch.Tensor) -> None:  # type: ignore[override]
+        self._restored = state
+
+
+@torch.no_grad()
+def evaluate(task: Task, model: nn.Module, loader: DataLoader, precision: Precision,
+             to_device: Callable[[Any], Any], split: str = "val") -> dict[str, float]:
+    """The task's metrics over a whole split: every rank adds up the task's sum states over its
+    shard (no padding, no duplicates) on the device, then one all-reduce of all of them."""
+    model.eval()
+    names = task.states
+    device = next(model.parameters()).device
+    totals = torch.zeros(len(names), dtype=torch.float64, device=device)
+    for batch in loader:
+        batch = to_device(batch)
+        with precision.forward_context():
+            states = task.evaluate(model, batch)
+        totals += torch.stack([torch.as_tensor(states[name], device=device).double()
+                               for name in names])  # fmt: skip
+    reduced = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
+    return {f"{split}/{name}": value for name, value in task.compute(reduced).items()}
+
+
+def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:
+    """Optimizer steps until max_steps or max_epochs, whichever comes first (validate()
+    guarantees at least one is set)."""
+    limits = []
+    if trainer_cfg.max_steps is not None:
+        limits.append(trainer_cfg.max_steps)
+    if trainer_cfg.max_epochs is not None:
+        limits.append(trainer_cfg.max_epochs * steps_per_epoch)
+    return min(limits)

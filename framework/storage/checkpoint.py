@@ -1,0 +1,361 @@
+"""Checkpoints: rank 0 writes one file per save, holding every rank's own state; all ranks read it.
+
+<run dir>/checkpoints/
+    step_00000120.pt    torch.save'd dict; `torch.load(path, weights_only=True)["model"]` is the
+                        bare model's state_dict, so one process can load it for inference
+    step_00000120.json  size and sha256 of the .pt, written once the .pt is durable
+    last.pt             symlink to the newest
+
+A save is a temporary file, fsync, rename (and the same for the sidecar and the link), so a kill
+at any moment leaves the previous checkpoint valid. Reads always use weights_only=True: a file
+that holds pickled code is refused, never executed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import random
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from framework.core.distributed import broadcast_object
+from framework.core.exits import CheckpointError
+from framework.core.launch_context import DistEnv
+
+log = logging.getLogger("framework")
+
+FORMAT = "framework-checkpoint/1"
+STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+
+# Settings a resumed run may change: they do not alter what the next step computes.
+RESUMABLE_CHANGES = (
+    "trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
+    "trainer.progress_bar", "trainer.on_nonfinite", "trainer.stop_signals", "checkpoint",
+    "logger", "launcher", "dist.timeout_s", "data.num_workers", "data.pin_memory",
+    "data.persistent_workers", "data.eval_batch_size", "data.root", "data.download",
+    "allowed_targets", "objective", "trainer.compile", "trainer.channels_last",
+)  # fmt: skip
+
+
+# --- what a checkpoint must match ----------------------------------------------------------
+def training_settings(config: Mapping[str, Any]) -> dict[str, str]:
+    """The resolved, secret-redacted config (security.redacted_container) as flat `key: value`
+    strings, without the settings a resume may change. Stored, with its hash, in every
+    checkpoint."""
+    flat: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+            return
+        key = prefix[:-1]
+        if not any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES):
+            flat[key] = json.dumps(node)
+
+    walk(config, "")
+    return flat
+
+
+def settings_hash(settings: Mapping[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(settings.items())).encode()).hexdigest()
+
+
+def settings_differences(payload: Mapping, settings: Mapping[str, str]) -> list[str]:
+    if payload["config_hash"] == settings_hash(settings):
+        return []
+    saved = payload["config"]
+    changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
+    return [
+        f"{k}: {saved.get(k, '(absent)')} in the checkpoint, {settings.get(k, '(absent)')} now"
+        for k in changed
+    ]
+
+
+def _shorten(items: list[str], limit: int = 6) -> str:
+    more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
+    return "; ".join(items[:limit]) + more
+
+def check_model_keys(path: Path, saved: Mapping[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """One error listing every mismatched key, instead of load_state_dict's first failure."""
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - expected.keys())
+    reshaped = sorted(
+        f"{k} {tuple(saved[k].shape)} vs {tuple(expected[k].shape)}"
+        for k in expected.keys() & saved.keys()
+        if saved[k].shape != expected[k].shape
+    )
+    problems = [
+        f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
+        for label, keys in (
+            ("missing from the checkpoint", missing),
+            ("not in this model", unexpected),
+            ("shape (checkpoint vs model)", reshaped),
+        )
+        if keys
+    ]
+    if problems:
+        raise CheckpointError(
+            f"{path} holds a different model ({'; '.join(problems)}): resume with the model "
+            "it was trained with, or set checkpoint.resume=never in a new hydra.run.dir"
+        )
+
+
+# --- RNG state, as plain values (weights_only loads refuse numpy objects) -----------------
+def rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- files ---------------------------------------------------------------------------------
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def step_files(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step_*.pt, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_FILE.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def _save(directory: Path, step: int, payload: dict[str, Any], **sidecar: Any) -> Path:
+    """step_<N>.pt and its .json (size, sha256 and `sidecar`), each written atomically."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step:08d}.pt"
+    atomic_write(path, lambda file: torch.save(payload, file))
+    record = {"format": FORMAT, "step": step, "bytes": path.stat().st_size,
+              "sha256": _sha256(path), **sidecar}  # fmt: skip
+    atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(record).encode()))
+    return path
+
+
+def _point(link: Path, target: str) -> None:
+    """Atomically make `link` a symlink to `target` (relative to its folder)."""
+    temporary = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    temporary.unlink(missing_ok=True)
+    os.symlink(target, temporary)
+    os.replace(temporary, link)
+
+
+def _drop(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    path.with_suffix(".json").unlink(missing_ok=True)
+
+
+def write(directory: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
+    """Save atomically, point last.pt at it, then drop all but the newest `keep`."""
+    path = _save(directory, step, payload)
+    _point(directory / "last.pt", path.name)
+    for _, old in step_files(directory)[keep:]:
+        _drop(old)
+    return path
+
+
+def write_best(directory: Path, step: int, payload: dict[str, Any], score: float,
+               maximize: bool, keep: int) -> Path:  # fmt: skip
+    """Save into <directory>/best/ with its score, keep the `keep` best, and point best.pt at
+    the best of them."""
+    path = _save(directory / "best", step, payload, score=score)
+    ranked = sorted(step_files(directory / "best"), reverse=maximize,
+                    key=lambda found: json.loads(found[1].with_suffix(".json").read_text())
+                    ["score"])  # fmt: skip
+    for _, worse in ranked[keep:]:
+        _drop(worse)
+    _point(directory / "best.pt", f"best/{ranked[0][1].name}")
+    return path
+
+
+def read(path: Path) -> dict[str, Any]:
+    """Load and verify one checkpoint; CheckpointError names the file and what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    sidecar = path.resolve().with_suffix(".json")
+    if sidecar.is_file():  # absent for a file copied on its own: torch.load still checks it
+        expected = json.loads(sidecar.read_text())
+        size = path.stat().st_size
+        if size != expected["bytes"] or _sha256(path) != expected["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted or truncated ({size} bytes, checksum does not "
+                f"match {sidecar.name})"
+            )
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = next((line for line in str(error).splitlines() if "GLOBAL" in line), "")
+        raise CheckpointError(
+            f"checkpoint {path} was refused: it holds pickled objects or code, not only tensors "
+            f"and plain values ({reason.strip() or 'weights_only load failed'}); nothing in it "
+            "was executed"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as error:
+        first_line = (str(error).splitlines() or [type(error).__name__])[0][:120]
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (empty, truncated or corrupted: {first_line})"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a checkpoint written by this framework")
+    return payload
+
+
+def newest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that reads back; broken ones are skipped with a warning."""
+    for _, path in step_files(directory):
+        try:
+            return path, read(path)
+        except CheckpointError as error:
+            log.warning("%s; falling back to the previous checkpoint", error)
+    return None
+
+
+class Checkpointer:
+    """Saves (gathering every rank's state to rank 0) and finds the checkpoint to resume."""
+
+    def __init__(
+        self, cfg: DictConfig, directory: Path, env: DistEnv, settings: dict[str, str]
+    ) -> None:
+        self.cfg, self.env = cfg, env
+        self.directory = directory
+        self.settings = settings
+        self.logger_ids: dict[str, str] = {}  # a restart continues these logger runs
+        self.last_path: Path | None = None
+        self.every = cfg.every  # asked every step: a DictConfig read costs microseconds
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, step: int, shared: Callable[[], dict[str, Any]], rank_state: dict,
+             best: tuple[float, bool] | None = None) -> Path:  # fmt: skip
+        """Collective: every rank calls it at the same step; only rank 0 writes. `best`:
+        (score, maximize) saves among the best checkpoints (checkpoint.best) instead."""
+        states = _gather_to_main(rank_state, self.env)
+        if self.env.is_main:
+            payload = {
+                "format": FORMAT,
+                "step": step,
+                "world_size": self.env.world_size,
+                "config_hash": settings_hash(self.settings),
+                "config": self.settings,
+                "logger_ids": self.logger_ids,
+                **shared(),
+                "ranks": states,
+            }
+            if best is not None:
+                path = write_best(self.directory, step, payload, *best, keep=self.cfg.best)
+                log.info("best checkpoint: step %d (%.6g) -> %s", step, best[0], path)
+                return path
+            self.last_path = write(self.directory, step, payload, self.cfg.keep)
+            log.info("checkpoint: step %d -> %s", step, self.last_path)
+        return self.directory / f"step_{step:08d}.pt"
+
+    def best_path(self) -> Path | None:
+        """best.pt, when checkpoint.best kept one."""
+        link = self.directory / "best.pt"
+        return link if self.cfg.best and link.exists() else None
+
+    def find_resume(self) -> tuple[Path, dict[str, Any]] | None:
+        """Collective: rank 0 picks the file (so every rank resumes from the same one), then
+        each rank reads it. Raises CheckpointError for an explicit path that is unusable."""
+        choice: Path | None = None
+        payload = None
+        if self.env.is_main:
+            choice, payload = self._choose()
+        choice = broadcast_object(choice)
+        if choice is None:
+            return None
+        if payload is None:
+            payload = read(choice)
+        if payload["world_size"] != self.env.world_size:
+            raise CheckpointError(
+                f"{choice} was written by {payload['world_size']} ranks and this run has "
+                f"{self.env.world_size}: every rank resumes its own RNG and communication state, "
+                f"so use launcher.nproc_per_node (x nodes) = {payload['world_size']}"
+            )
+        differences = settings_differences(payload, self.settings)
+        if differences and self.cfg.resume == "auto":
+            raise CheckpointError(
+                f"{choice} was written by this run dir's run with other settings: "
+                f"{_shorten(differences)}. Resume with the original settings, or start a new "
+                "run in a new hydra.run.dir"
+            )
+        if differences and self.env.is_main:  # an explicit path: the user asked for this one
+            log.warning("continuing from %s with changed settings: %s", choice,
+                        _shorten(differences))  # fmt: skip
+        return choice, payload
+
+    def _choose(self) -> tuple[Path | None, dict[str, Any] | None]:
+        for stale in self.directory.glob(".*.tmp-*"):  # from a save that was killed
+            stale.unlink(missing_ok=True)
+        if self.cfg.resume == "never":
+            return None, None
+        if self.cfg.resume != "auto":
+            path = Path(self.cfg.resume).expanduser()
+            return path, read(path)
+        found = newest_valid(self.directory)
+        return found if found else (None, None)
+
+
+def _gather_to_main(item: Any, env: DistEnv) -> list[Any]:
+    """Every rank's `item`, in rank order, on rank 0 (an empty list elsewhere)."""
+    if not env.distributed:
+        return [item]
+    gathered: list[Any] = [None] * env.world_size if env.is_main else []
+    dist.gather_object(item, gathered if env.is_main else None, dst=0)
+    return gathered
