@@ -17,8 +17,12 @@ from typing import Any
 
 from benchmarks.common import Trial, TrialContext, Work, run_pool, run_train, table, write_result
 
-HOOKS = {"allreduce": [], "fp16": ["comm=fp16"], "bf16": ["comm=bf16"],
-         "powersgd": ["comm=powersgd"]}  # fmt: skip
+HOOKS = {
+    "allreduce": [],
+    "fp16": ["comm=fp16"],
+    "bf16": ["comm=bf16"],
+    "powersgd": ["comm=powersgd"],
+}
 # amp (float16 autocast + GradScaler) is a GPU feature: float16 kernels on this CPU ran 8x
 # slower than fp32 (484 against 3805 samples/s), 45 s a run, so it is opt-in here.
 PRECISIONS = ("fp32", "bf16")
@@ -26,14 +30,22 @@ PRECISIONS = ("fp32", "bf16")
 
 def accuracy_trial(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
     extra = trial.extra
-    overrides = [*HOOKS[extra["hook"]], f"precision={extra['precision']}",
-                 f"trainer.seed={extra['seed']}", "launcher.nproc_per_node=2",
-                 "trainer.progress_bar=false", "checkpoint.final=false"]  # fmt: skip
+    overrides = [
+        *HOOKS[extra["hook"]],
+        f"precision={extra['precision']}",
+        f"trainer.seed={extra['seed']}",
+        "launcher.nproc_per_node=2",
+        "trainer.progress_bar=false",
+        "checkpoint.final=false",
+    ]
     result = run_train(overrides, ctx, warmup=10)
     if ctx.rank != 0:
         return None
-    return {"val/accuracy": result["summary"]["val/accuracy"],
-            "val/loss": result["summary"]["val/loss"], "samples_per_s": result["samples_per_s"]}
+    return {
+        "val/accuracy": result["summary"]["val/accuracy"],
+        "val/loss": result["summary"]["val/loss"],
+        "samples_per_s": result["samples_per_s"],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -45,16 +57,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seeds = [int(seed) for seed in args.seeds.split(",")]
     hooks, precisions = args.hooks.split(","), args.precisions.split(",")
     schedule = [
-        Trial("train", Work(), label=f"{hook}/{precision}/seed{seed}",
-              extra={"hook": hook, "precision": precision, "seed": seed})
-        for seed in seeds for hook in hooks for precision in precisions
-    ]  # fmt: skip
+        Trial(
+            "train",
+            Work(),
+            label=f"{hook}/{precision}/seed{seed}",
+            extra={"hook": hook, "precision": precision, "seed": seed},
+        )
+        for seed in seeds
+        for hook in hooks
+        for precision in precisions
+    ]
     results = run_pool(schedule, {"train": accuracy_trial}, on_result=_print_trial)
     accuracy: dict[str, dict[str, list[float]]] = {h: {p: [] for p in precisions} for h in hooks}
     for trial, result in zip(schedule, results, strict=True):
         accuracy[trial.extra["hook"]][trial.extra["precision"]].append(result["val/accuracy"])
-    rows = [[hook, *(_cell(accuracy[hook][precision]) for precision in precisions)]
-            for hook in hooks]  # fmt: skip
+    rows = [
+        [hook, *(_cell(accuracy[hook][precision]) for precision in precisions)] for hook in hooks
+    ]
     headers = ["comm hook", *(f"precision={precision}" for precision in precisions)]
     print(f"\nfinal val/accuracy (%), mean +- std over seeds {seeds} [min - max]:")
     print(table(headers, rows))
@@ -72,5 +91,8 @@ def _cell(values: list[float]) -> str:
 
 
 def _print_trial(trial: Trial, result: dict[str, Any]) -> None:
-    print(f"{trial.name:28s} val/accuracy={result['val/accuracy']:.4f} "
-          f"({result['samples_per_s']:.0f} samples/s)", flush=True)
+    print(
+        f"{trial.name:28s} val/accuracy={result['val/accuracy']:.4f} "
+        f"({result['samples_per_s']:.0f} samples/s)",
+        flush=True,
+    )

@@ -70,8 +70,25 @@ def create_link(rate: str) -> None:
         sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", veth)
         sh("ip", "-n", ns, "link", "set", veth, "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate",
-           rate, "burst", "256kb", "latency", "100ms")  # fmt: skip
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            veth,
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "256kb",
+            "latency",
+            "100ms",
+        )
 
 
 def delete_link() -> None:
@@ -101,9 +118,12 @@ def hook_trial(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
         return None
     sent_by_rank = [sent] + [int(ctx.store.get(f"sent/{r}")) for r in range(1, ctx.world_size)]
     last = result["events"][-1]
-    return {"samples_per_s": result["samples_per_s"], "sent_bytes": sent_by_rank,
-            "counted_bytes_per_step": last["comm/bytes_per_step"],
-            "steps": last["step"]}  # fmt: skip
+    return {
+        "samples_per_s": result["samples_per_s"],
+        "sent_bytes": sent_by_rank,
+        "counted_bytes_per_step": last["comm/bytes_per_step"],
+        "steps": last["step"],
+    }
 
 
 # --- analytic bytes ------------------------------------------------------------------------------
@@ -134,10 +154,21 @@ def run_network(network: str, rounds: int) -> dict[str, list[dict]]:
         # what a step sends, free of start-up and evaluation traffic.
         longer = network == "1gbit" and round_index % 2 == 1
         work = replace(WORK, steps=2 * WORK.steps) if longer else WORK
-        schedule.append(Trial("ours", work, round=round_index, label=f"{network}/{hook}",
-                              extra={"hook": hook, "interfaces": interfaces}))  # fmt: skip
-    results = run_pool(schedule, {"ours": hook_trial}, on_result=_print_trial,
-                       namespaces=NAMESPACES if network == "1gbit" else None)  # fmt: skip
+        schedule.append(
+            Trial(
+                "ours",
+                work,
+                round=round_index,
+                label=f"{network}/{hook}",
+                extra={"hook": hook, "interfaces": interfaces},
+            )
+        )
+    results = run_pool(
+        schedule,
+        {"ours": hook_trial},
+        on_result=_print_trial,
+        namespaces=NAMESPACES if network == "1gbit" else None,
+    )
     by_hook: dict[str, list[dict]] = {hook: [] for hook in HOOKS}
     for trial, result in zip(schedule, results, strict=True):
         by_hook[trial.extra["hook"]].append(result)
@@ -151,8 +182,10 @@ def wire_bytes_per_step(runs: list[dict]) -> float | None:
     if not short or not long:
         return None
     extra_steps = long[0]["steps"] - short[0]["steps"]
-    per_rank = [(lb - sb) / extra_steps
-                for lb, sb in zip(long[0]["sent_bytes"], short[0]["sent_bytes"], strict=True)]
+    per_rank = [
+        (lb - sb) / extra_steps
+        for lb, sb in zip(long[0]["sent_bytes"], short[0]["sent_bytes"], strict=True)
+    ]
     return sum(per_rank) / len(per_rank)
 
 
@@ -164,8 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     networks = args.networks.split(",")
     if "1gbit" in networks and os.geteuid() != 0:
-        raise SystemExit("the 1gbit link needs root (network namespaces and tc): use sudo, "
-                         "or --networks loopback")  # fmt: skip
+        raise SystemExit(
+            "the 1gbit link needs root (network namespaces and tc): use sudo, "
+            "or --networks loopback"
+        )
     measured: dict[str, dict[str, list[dict]]] = {}
     try:
         for network in networks:
@@ -176,17 +211,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         delete_link()
     global_batch = 2 * WORK.batch_size
-    step_ms = {network: {hook: [1000 * global_batch / r["samples_per_s"] for r in runs]
-                         for hook, runs in by_hook.items()}
-               for network, by_hook in measured.items()}  # fmt: skip
+    step_ms = {
+        network: {
+            hook: [1000 * global_batch / r["samples_per_s"] for r in runs]
+            for hook, runs in by_hook.items()
+        }
+        for network, by_hook in measured.items()
+    }
     rows, counted_bytes, wire_bytes = [], {}, {}
     for hook in HOOKS:
         analytic = analytic_bytes(hook)
         counted = median([r["counted_bytes_per_step"] for r in measured[networks[0]][hook]])
         wire = wire_bytes_per_step(measured["1gbit"][hook]) if "1gbit" in measured else None
         counted_bytes[hook], wire_bytes[hook] = counted, wire
-        row = [hook, f"{analytic / 1e6:.3f} MB", f"{counted / 1e6:.3f} MB",
-               f"{wire / 1e6:.3f} MB ({wire / analytic:.3f}x)" if wire else "n/a"]  # fmt: skip
+        row = [
+            hook,
+            f"{analytic / 1e6:.3f} MB",
+            f"{counted / 1e6:.3f} MB",
+            f"{wire / 1e6:.3f} MB ({wire / analytic:.3f}x)" if wire else "n/a",
+        ]
         for network in measured:
             ms = median(step_ms[network][hook])
             ratio = ms / median(step_ms[network]["allreduce"])
@@ -194,14 +237,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             mark = "" if target is None or ratio <= target else " (misses)"
             row.append(f"{ms:.0f} ms ({ratio:.2f}x{mark})")
         rows.append(row)
-    headers = ["hook", "analytic bytes/step", "counted by hook", "sent on the wire (1 Gbit/s)",
-               *(f"step time {network} (vs allreduce)" for network in measured)]  # fmt: skip
+    headers = [
+        "hook",
+        "analytic bytes/step",
+        "counted by hook",
+        "sent on the wire (1 Gbit/s)",
+        *(f"step time {network} (vs allreduce)" for network in measured),
+    ]
     print(f"\nmedians of {args.rounds} mirrored rounds:")
     print(table(headers, rows))
-    record = {"work": WORK, "rounds": args.rounds, "step_ms": step_ms, "runs": measured,
-              "analytic_bytes": {hook: analytic_bytes(hook) for hook in HOOKS},
-              "counted_bytes": counted_bytes, "wire_bytes": wire_bytes,
-              "table": {"headers": headers, "rows": rows}}  # fmt: skip
+    record = {
+        "work": WORK,
+        "rounds": args.rounds,
+        "step_ms": step_ms,
+        "runs": measured,
+        "analytic_bytes": {hook: analytic_bytes(hook) for hook in HOOKS},
+        "counted_bytes": counted_bytes,
+        "wire_bytes": wire_bytes,
+        "table": {"headers": headers, "rows": rows},
+    }
     default = (args.networks, args.rounds, args.rate) == ("1gbit,loopback", 2, "1gbit")
     name = "comm" if default else "comm-partial"
     write_result(name, record)
@@ -214,12 +268,19 @@ def plot(record: dict[str, Any], networks: list[str], name: str = "comm") -> Non
     hooks = list(HOOKS)
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     positions = range(len(hooks))
-    kinds = {"analytic": record["analytic_bytes"], "counted by hook": record["counted_bytes"],
-             "on the wire": record["wire_bytes"]}
+    kinds = {
+        "analytic": record["analytic_bytes"],
+        "counted by hook": record["counted_bytes"],
+        "on the wire": record["wire_bytes"],
+    }
     bar = 0.8 / len(kinds)
     for index, (kind, values) in enumerate(kinds.items()):
-        left.bar([p + index * bar for p in positions],
-                 [(values.get(h) or 0) / 1e6 for h in hooks], bar, label=kind)  # fmt: skip
+        left.bar(
+            [p + index * bar for p in positions],
+            [(values.get(h) or 0) / 1e6 for h in hooks],
+            bar,
+            label=kind,
+        )
     left.legend()
     left.set_yscale("log")
     left.set_xticks([p + bar for p in positions], hooks, rotation=20)
@@ -238,5 +299,8 @@ def plot(record: dict[str, Any], networks: list[str], name: str = "comm") -> Non
 
 def _print_trial(trial: Trial, result: dict[str, Any]) -> None:
     ms = 1000 * 2 * trial.work.batch_size / result["samples_per_s"]
-    print(f"round {trial.round + 1}  {trial.name:24s} {ms:6.0f} ms/step  "
-          f"{result['counted_bytes_per_step'] / 1e6:8.3f} MB/step counted", flush=True)
+    print(
+        f"round {trial.round + 1}  {trial.name:24s} {ms:6.0f} ms/step  "
+        f"{result['counted_bytes_per_step'] / 1e6:8.3f} MB/step counted",
+        flush=True,
+    )

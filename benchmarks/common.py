@@ -68,16 +68,27 @@ class Work:
     def overrides(self, world_size: int) -> list[str]:
         """The same work as `train` overrides."""
         return [
-            f"model={self.model}", "data=synthetic", f"data.batch_size={self.batch_size}",
-            f"data.train_size={self.train_size(world_size)}", f"data.val_size={self.val_size}",
-            f"data.image_size={self.image_size}", f"data.num_workers={self.num_workers}",
-            "optimizer=sgd", f"optimizer.lr={self.lr}", "scheduler=constant",
-            f"precision={self.precision}", f"trainer.channels_last={self.channels_last}",
-            f"trainer.compile={self.compile}", f"trainer.max_steps={self.total_steps}",
-            "trainer.max_epochs=null", f"trainer.log_every={self.warmup}",
-            "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.final=false",
+            f"model={self.model}",
+            "data=synthetic",
+            f"data.batch_size={self.batch_size}",
+            f"data.train_size={self.train_size(world_size)}",
+            f"data.val_size={self.val_size}",
+            f"data.image_size={self.image_size}",
+            f"data.num_workers={self.num_workers}",
+            "optimizer=sgd",
+            f"optimizer.lr={self.lr}",
+            "scheduler=constant",
+            f"precision={self.precision}",
+            f"trainer.channels_last={self.channels_last}",
+            f"trainer.compile={self.compile}",
+            f"trainer.max_steps={self.total_steps}",
+            "trainer.max_epochs=null",
+            f"trainer.log_every={self.warmup}",
+            "trainer.progress_bar=false",
+            "checkpoint.every=0",
+            "checkpoint.final=false",
             f"launcher.nproc_per_node={world_size}",
-        ]  # fmt: skip
+        ]
 
 
 def build_model(work: Work) -> torch.nn.Module:
@@ -116,7 +127,10 @@ class TrialContext:
     def init_group(self, backend: str = "gloo") -> None:
         if self.world_size > 1:
             dist.init_process_group(
-                backend, store=self.store, rank=self.rank, world_size=self.world_size,
+                backend,
+                store=self.store,
+                rank=self.rank,
+                world_size=self.world_size,
                 timeout=timedelta(minutes=5),
             )
 
@@ -162,10 +176,20 @@ def run_pool(
     forkserver.warm_up()  # the ranks fork from it, as `train`'s do: one import of torch, not two
     context = mp.start_processes(
         _pool_worker,
-        args=(store.port, nprocs, schedule, contenders, scratch, namespaces, env or {},
-              *forkserver.launcher_context()),
-        nprocs=nprocs, join=False, start_method=forkserver.START_METHOD,
-    )  # fmt: skip
+        args=(
+            store.port,
+            nprocs,
+            schedule,
+            contenders,
+            scratch,
+            namespaces,
+            env or {},
+            *forkserver.launcher_context(),
+        ),
+        nprocs=nprocs,
+        join=False,
+        start_method=forkserver.START_METHOD,
+    )
     results: list[dict[str, Any]] = []
     try:
         for index, trial in enumerate(schedule):
@@ -196,8 +220,9 @@ def _wait_for_result(store, context, index: int, trial: Trial, nprocs: int) -> d
     return json.loads(store.get(f"result/{index}"))
 
 
-def _pool_worker(rank, port, nprocs, schedule, contenders, scratch, namespaces, env, environ, cwd,
-                 stdio) -> None:  # fmt: skip
+def _pool_worker(
+    rank, port, nprocs, schedule, contenders, scratch, namespaces, env, environ, cwd, stdio
+) -> None:
     forkserver.adopt(environ, cwd, stdio)
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, whatever the shell exported
@@ -222,8 +247,9 @@ def _run_trial(rank, index, trial, contender, store, scratch) -> None:
     posts its error (the parent stops the pool on it)."""
     trial_dir = scratch / f"{index:03d}-{trial.name}".replace("/", "_")
     trial_dir.mkdir(exist_ok=True)
-    context = TrialContext(rank, trial.world_size, dist.PrefixStore(f"trial{index}", store),
-                           trial_dir, index)  # fmt: skip
+    context = TrialContext(
+        rank, trial.world_size, dist.PrefixStore(f"trial{index}", store), trial_dir, index
+    )
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
     gc.collect()
@@ -283,14 +309,22 @@ def run_train(overrides: list[str], ctx: TrialContext, warmup: int) -> dict[str,
     cfg = compose(overrides)
     run_dir = ctx.scratch / "run"
     run_dir.mkdir(exist_ok=True)
-    env = DistEnv(rank=ctx.rank, local_rank=ctx.rank, world_size=ctx.world_size,
-                  local_world_size=ctx.world_size, source="local")  # fmt: skip
+    env = DistEnv(
+        rank=ctx.rank,
+        local_rank=ctx.rank,
+        world_size=ctx.world_size,
+        local_world_size=ctx.world_size,
+        source="local",
+    )
     summary = run(cfg, run_dir, env, ctx.store if ctx.world_size > 1 else None)
     if ctx.rank != 0:
         return None
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"samples_per_s": steady_samples_per_s(events, warmup), "summary": summary,
-            "events": [e for e in events if "train/loss" in e]}  # fmt: skip
+    return {
+        "samples_per_s": steady_samples_per_s(events, warmup),
+        "summary": summary,
+        "events": [e for e in events if "train/loss" in e],
+    }
 
 
 def steady_samples_per_s(events: list[dict], warmup: int) -> float:
@@ -298,8 +332,10 @@ def steady_samples_per_s(events: list[dict], warmup: int) -> float:
     steps x global batch / its seconds, so the whole span's rate is the step-weighted harmonic
     mean of the windows' rates."""
     steady = [e for e in events if "train/loss" in e and e["step"] > warmup]
-    steps = [later["step"] - earlier for later, earlier
-             in zip(steady, [warmup] + [e["step"] for e in steady], strict=False)]  # fmt: skip
+    steps = [
+        later["step"] - earlier
+        for later, earlier in zip(steady, [warmup] + [e["step"] for e in steady], strict=False)
+    ]
     seconds_per_sample = sum(n / e["samples_per_s"] for n, e in zip(steps, steady, strict=True))
     return sum(steps) / seconds_per_sample if seconds_per_sample else float("nan")
 
@@ -331,8 +367,10 @@ def machine() -> dict[str, Any]:
 def write_result(name: str, record: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "machine": machine(), **record}, indent=2,
-                               default=_jsonable) + "\n")  # fmt: skip
+    path.write_text(
+        json.dumps({"benchmark": name, "machine": machine(), **record}, indent=2, default=_jsonable)
+        + "\n"
+    )
     print(f"\nwrote {path.relative_to(REPO)}")
     return path
 

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             Trial(contender, WORKS[model], round=round_index, label=f"{model}/{contender}")
             for model in models
             for round_index, contender in interleave(["plain", peer], args.rounds)
-        ]  # fmt: skip
+        ]
         results = run_pool(schedule, CONTENDERS, on_result=_print_trial)
         for model in models:
             measured = {name: [0.0] * args.rounds for name in ("plain", peer)}
@@ -66,24 +66,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     measured[trial.contender][trial.round] = result["samples_per_s"]
             rates[model][peer] = measured[peer]
             rates[model][f"plain (vs {peer})"] = measured["plain"]
-            ratios[model][peer] = [r / p for r, p in zip(measured[peer], measured["plain"],
-                                                         strict=True)]  # fmt: skip
+            ratios[model][peer] = [
+                r / p for r, p in zip(measured[peer], measured["plain"], strict=True)
+            ]
     rows, record = [], {"target": TARGET, "rounds": args.rounds, "models": {}}
     for model in models:
-        record["models"][model] = {"work": WORKS[model], "samples_per_s": rates[model],
-                                   "ratio_to_plain": ratios[model]}  # fmt: skip
-        of_medians = {peer: median(rates[model][peer]) / median(rates[model][f"plain (vs {peer})"])
-                      for peer in peers}  # fmt: skip
+        record["models"][model] = {
+            "work": WORKS[model],
+            "samples_per_s": rates[model],
+            "ratio_to_plain": ratios[model],
+        }
+        of_medians = {
+            peer: median(rates[model][peer]) / median(rates[model][f"plain (vs {peer})"])
+            for peer in peers
+        }
         record["models"][model]["ratio_of_medians"] = of_medians
         r = rates[model]
-        row = [model, f"{median(r['plain (vs ours)']):.0f}", f"{median(r['ours']):.0f}",
-               f"**{of_medians['ours']:.3f}x**", f"{median(ratios[model]['ours']):.3f}x",
-               " ".join(f"{x:.2f}" for x in ratios[model]["ours"])]  # fmt: skip
+        row = [
+            model,
+            f"{median(r['plain (vs ours)']):.0f}",
+            f"{median(r['ours']):.0f}",
+            f"**{of_medians['ours']:.3f}x**",
+            f"{median(ratios[model]['ours']):.3f}x",
+            " ".join(f"{x:.2f}" for x in ratios[model]["ours"]),
+        ]
         if "lightning" in peers:
             row += [f"{median(r['lightning']):.0f}", f"{of_medians['lightning']:.3f}x"]
         rows.append(row)
-    headers = ["model", "plain samples/s", "ours samples/s", "ours / plain",
-               "median of round ratios", "round ratios"]  # fmt: skip
+    headers = [
+        "model",
+        "plain samples/s",
+        "ours samples/s",
+        "ours / plain",
+        "median of round ratios",
+        "round ratios",
+    ]
     if "lightning" in peers:
         headers += ["Lightning samples/s", "Lightning / plain"]
     # Headline: median samples/s of each contender, then their ratio. A burst of load on this
@@ -107,9 +124,16 @@ def plot(record: dict[str, Any], names: list[str], name: str = "overhead") -> No
     width = 0.8 / len(names)
     for index, contender in enumerate(names):
         ratios = [record["models"][m]["ratio_of_medians"].get(contender, 1.0) for m in models]
-        bars = axes.bar([p + index * width for p in range(len(models))], ratios, width,
-                        label={"ours": "train (ours)", "plain": "plain DDP loop",
-                               "lightning": "PyTorch Lightning"}[contender])  # fmt: skip
+        bars = axes.bar(
+            [p + index * width for p in range(len(models))],
+            ratios,
+            width,
+            label={
+                "ours": "train (ours)",
+                "plain": "plain DDP loop",
+                "lightning": "PyTorch Lightning",
+            }[contender],
+        )
         axes.bar_label(bars, fmt="%.2f", fontsize=8)
     axes.axhline(TARGET, color="black", linestyle="--", linewidth=0.8, label=f"target {TARGET}")
     axes.set_xticks([p + width * (len(names) - 1) / 2 for p in range(len(models))], models)
@@ -121,5 +145,7 @@ def plot(record: dict[str, Any], names: list[str], name: str = "overhead") -> No
 
 
 def _print_trial(trial: Trial, result: dict[str, Any]) -> None:
-    print(f"round {trial.round + 1}  {trial.name:20s} {result['samples_per_s']:8.0f} samples/s",
-          flush=True)  # fmt: skip
+    print(
+        f"round {trial.round + 1}  {trial.name:20s} {result['samples_per_s']:8.0f} samples/s",
+        flush=True,
+    )

@@ -27,8 +27,9 @@ DDP_OPTIONS = {"bucket_cap_mb": 25.0, "gradient_as_bucket_view": True}  # conf: 
 def dataset(work: Work, world_size: int):
     from framework.components.data import synthetic
 
-    return synthetic(train_size=work.train_size(world_size), val_size=work.val_size,
-                     image_size=work.image_size).train  # fmt: skip
+    return synthetic(
+        train_size=work.train_size(world_size), val_size=work.val_size, image_size=work.image_size
+    ).train
 
 
 def plain_loop(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
@@ -38,9 +39,15 @@ def plain_loop(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
     torch.manual_seed(0)
     data = dataset(work, ctx.world_size)
     sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
-    loader = DataLoader(data, batch_size=work.batch_size, sampler=sampler, drop_last=True,
-                        num_workers=work.num_workers, persistent_workers=work.num_workers > 0,
-                        pin_memory=device.type == "cuda")  # fmt: skip
+    loader = DataLoader(
+        data,
+        batch_size=work.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=work.num_workers,
+        persistent_workers=work.num_workers > 0,
+        pin_memory=device.type == "cuda",
+    )
     memory_format = torch.channels_last if work.channels_last else torch.contiguous_format
     model = build_model(work).to(device, memory_format=memory_format)
     if ctx.world_size > 1:
@@ -48,16 +55,20 @@ def plain_loop(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
         model = DistributedDataParallel(model, device_ids=device_ids, **DDP_OPTIONS)
     if work.compile:
         model = torch.compile(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=work.lr, momentum=MOMENTUM,
-                                weight_decay=WEIGHT_DECAY)  # fmt: skip
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=work.lr, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY
+    )
     autocast_dtype = {"bf16": torch.bfloat16, "amp": torch.float16}.get(work.precision)
     scaler = torch.amp.GradScaler(device.type, enabled=work.precision == "amp")
     started = None
     for step, (inputs, targets) in enumerate(loader, start=1):
         inputs = inputs.to(device, non_blocking=True, memory_format=memory_format)
         targets = targets.to(device, non_blocking=True)
-        autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
-                    else contextlib.nullcontext())  # fmt: skip
+        autocast = (
+            torch.autocast(device.type, dtype=autocast_dtype)
+            if autocast_dtype
+            else contextlib.nullcontext()
+        )
         with autocast:
             loss = F.cross_entropy(model(inputs), targets)
         scaler.scale(loss).backward()
@@ -73,8 +84,10 @@ def plain_loop(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
     elapsed = time.perf_counter() - started
     if ctx.rank != 0:
         return None
-    return {"samples_per_s": work.steps * work.batch_size * ctx.world_size / elapsed,
-            "final_loss": loss.item()}  # fmt: skip
+    return {
+        "samples_per_s": work.steps * work.batch_size * ctx.world_size / elapsed,
+        "final_loss": loss.item(),
+    }
 
 
 def lightning_available() -> bool:
@@ -98,9 +111,15 @@ def lightning_fit(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
     work = trial.work
     # Lightning sees ranks started by someone else (LOCAL_RANK set) and a process group that
     # already exists (ours, on this trial's store), and joins them instead of spawning.
-    os.environ.update({"LOCAL_RANK": str(ctx.rank), "NODE_RANK": "0",
-                       "WORLD_SIZE": str(ctx.world_size), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29400"})  # fmt: skip
+    os.environ.update(
+        {
+            "LOCAL_RANK": str(ctx.rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(ctx.world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29400",
+        }
+    )
     ctx.init_group()
     torch.manual_seed(0)
 
@@ -128,19 +147,29 @@ def lightning_fit(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=work.lr, momentum=MOMENTUM,
-                                   weight_decay=WEIGHT_DECAY)  # fmt: skip
+            return torch.optim.SGD(
+                self.parameters(), lr=work.lr, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY
+            )
 
     timer = Timer()
-    loader = DataLoader(dataset(work, ctx.world_size), batch_size=work.batch_size, shuffle=True,
-                        drop_last=True)  # fmt: skip
+    loader = DataLoader(
+        dataset(work, ctx.world_size), batch_size=work.batch_size, shuffle=True, drop_last=True
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=ctx.world_size, num_nodes=1,
+        accelerator="cpu",
+        devices=ctx.world_size,
+        num_nodes=1,
         strategy=DDPStrategy(**DDP_OPTIONS) if ctx.world_size > 1 else "auto",
-        max_steps=work.total_steps, limit_val_batches=0, num_sanity_val_steps=0,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        logger=CSVLogger(ctx.scratch), log_every_n_steps=work.warmup, callbacks=[timer],
-    )  # fmt: skip
+        max_steps=work.total_steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=CSVLogger(ctx.scratch),
+        log_every_n_steps=work.warmup,
+        callbacks=[timer],
+    )
     trainer.fit(Classifier(), loader)
     if ctx.rank != 0:
         return None

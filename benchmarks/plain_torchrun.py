@@ -34,11 +34,17 @@ def main() -> None:
     loader = DataLoader(data, batch_size=32, sampler=DistributedSampler(data), drop_last=True)
     width = 32
     model = nn.Sequential(
-        nn.Conv2d(1, width, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, 10),
-    )  # fmt: skip
+        nn.Conv2d(1, width, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, 10),
+    )
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     inputs, targets = next(iter(loader))

@@ -26,12 +26,22 @@ REPO = Path(__file__).resolve().parent.parent
 def run_ours(run: int, args, out: Path) -> tuple[bool, str]:
     run_dir = out / f"run{run:02d}"
     command = [
-        sys.executable, "-m", "framework.train", "model=resnet18", "data=synthetic",
-        f"data.batch_size={args.batch_size}", "data.train_size=1024", "data.val_size=32",
-        "comm=powersgd", f"comm.rank={args.rank}", f"comm.start_iter={args.start_iter}",
-        f"trainer.max_steps={args.start_iter + args.compressed_steps}", "trainer.log_every=1",
-        f"trainer.seed={run}", f"hydra.run.dir={run_dir}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "framework.train",
+        "model=resnet18",
+        "data=synthetic",
+        f"data.batch_size={args.batch_size}",
+        "data.train_size=1024",
+        "data.val_size=32",
+        "comm=powersgd",
+        f"comm.rank={args.rank}",
+        f"comm.start_iter={args.start_iter}",
+        f"trainer.max_steps={args.start_iter + args.compressed_steps}",
+        "trainer.log_every=1",
+        f"trainer.seed={run}",
+        f"hydra.run.dir={run_dir}",
+    ]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         return False, result.stderr.strip().splitlines()[-1] if result.stderr else "no output"
@@ -52,12 +62,14 @@ def _torch_worker(rank: int, port: int, args) -> None:
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     torch.manual_seed(0)
     model = DDP(resnet18_cifar(in_channels=3, num_classes=10))
-    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
-                                   start_powerSGD_iter=args.start_iter)  # fmt: skip
+    state = powersgd.PowerSGDState(
+        process_group=None, matrix_approximation_rank=args.rank, start_powerSGD_iter=args.start_iter
+    )
     model.register_comm_hook(state, powersgd.powerSGD_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(args.start_iter + args.compressed_steps):

@@ -54,10 +54,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     models = args.models.split(",")
     schedule = [
-        Trial("setup", WORKS[model], world_size=SETUPS[setup][1], round=round_index,
-              label=f"{model}/{setup}", extra={"setup": setup, "model": model})
-        for model in models for round_index, setup in interleave(list(SETUPS), args.rounds)
-    ]  # fmt: skip
+        Trial(
+            "setup",
+            WORKS[model],
+            world_size=SETUPS[setup][1],
+            round=round_index,
+            label=f"{model}/{setup}",
+            extra={"setup": setup, "model": model},
+        )
+        for model in models
+        for round_index, setup in interleave(list(SETUPS), args.rounds)
+    ]
     results = run_pool(schedule, {"setup": with_threads}, on_result=_print_trial)
     rates = {m: {s: [0.0] * args.rounds for s in SETUPS} for m in models}
     for trial, result in zip(schedule, results, strict=True):
@@ -65,21 +72,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for model in models:
         r = {setup: median(values) for setup, values in rates[model].items()}
-        rows.append([model, f"{r['ours 1x1']:.0f}", f"{r['ours 2x1']:.0f}",
-                     f"**{r['ours 2x1'] / (2 * r['ours 1x1']):.0%}**",
-                     f"{r['plain 2x1'] / (2 * r['plain 1x1']):.0%}", f"{r['ours 1x2']:.0f}",
-                     f"{r['ours 2x1'] / r['ours 1x2']:.2f}x"])  # fmt: skip
-    headers = ["model", "1 rank samples/s", "2 ranks samples/s", "efficiency",
-               "plain loop's efficiency", "1 rank x 2 threads", "2 ranks vs 1 rank x 2 threads"]
+        rows.append(
+            [
+                model,
+                f"{r['ours 1x1']:.0f}",
+                f"{r['ours 2x1']:.0f}",
+                f"**{r['ours 2x1'] / (2 * r['ours 1x1']):.0%}**",
+                f"{r['plain 2x1'] / (2 * r['plain 1x1']):.0%}",
+                f"{r['ours 1x2']:.0f}",
+                f"{r['ours 2x1'] / r['ours 1x2']:.2f}x",
+            ]
+        )
+    headers = [
+        "model",
+        "1 rank samples/s",
+        "2 ranks samples/s",
+        "efficiency",
+        "plain loop's efficiency",
+        "1 rank x 2 threads",
+        "2 ranks vs 1 rank x 2 threads",
+    ]
     print(f"\nmedian of {args.rounds} interleaved rounds, one thread per rank:")
     print(table(headers, rows))
-    record = {"rounds": args.rounds, "samples_per_s": rates, "works": {m: WORKS[m] for m in models},
-              "table": {"headers": headers, "rows": rows}}  # fmt: skip
+    record = {
+        "rounds": args.rounds,
+        "samples_per_s": rates,
+        "works": {m: WORKS[m] for m in models},
+        "table": {"headers": headers, "rows": rows},
+    }
     default = (args.models, args.rounds) == (",".join(WORKS), 3)
     write_result("scaling" if default else "scaling-partial", record)
     return record
 
 
 def _print_trial(trial: Trial, result: dict[str, Any]) -> None:
-    print(f"round {trial.round + 1}  {trial.name:20s} {result['samples_per_s']:8.0f} samples/s",
-          flush=True)  # fmt: skip
+    print(
+        f"round {trial.round + 1}  {trial.name:20s} {result['samples_per_s']:8.0f} samples/s",
+        flush=True,
+    )

@@ -40,9 +40,10 @@ CPU_LADDER = {
 }
 GPU_WORKS = {
     "resnet18": Work(model="resnet18", batch_size=256, warmup=15, steps=40, device="cuda"),
-    "resnet50": Work(model="resnet50", batch_size=64, warmup=15, steps=30, image_size=224,
-                     device="cuda"),
-}  # fmt: skip
+    "resnet50": Work(
+        model="resnet50", batch_size=64, warmup=15, steps=30, image_size=224, device="cuda"
+    ),
+}
 GPU_LADDER = {
     "fp32": {},
     "bf16": {"precision": "bf16"},
@@ -68,39 +69,68 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ladder = {option: ladder[option] for option in ["fp32", *args.options.split(",")]}
     world_size = 1 if gpu else 2
     schedule = [
-        Trial(contender, replace(work, **ladder[option]), world_size=world_size,
-              round=round_index, label=f"{model}/{option}/{contender}",
-              extra={"model": model, "option": option})
+        Trial(
+            contender,
+            replace(work, **ladder[option]),
+            world_size=world_size,
+            round=round_index,
+            label=f"{model}/{option}/{contender}",
+            extra={"model": model, "option": option},
+        )
         for model, work in works.items()
         for round_index, option in interleave(list(ladder), args.rounds, mirror=True)
         for contender in (("plain", "ours") if round_index % 2 == 0 else ("ours", "plain"))
-    ]  # fmt: skip
-    results = run_pool(schedule, {"plain": plain_loop, "ours": run_ours}, nprocs=world_size,
-                       on_result=_print_trial)  # fmt: skip
+    ]
+    results = run_pool(
+        schedule, {"plain": plain_loop, "ours": run_ours}, nprocs=world_size, on_result=_print_trial
+    )
     rates = {m: {o: {c: [] for c in ("plain", "ours")} for o in ladder} for m in works}
     for trial, result in zip(schedule, results, strict=True):
         rates[trial.extra["model"]][trial.extra["option"]][trial.contender].append(
-            result["samples_per_s"])
+            result["samples_per_s"]
+        )
     rows = []
     for model in works:
         base = median(rates[model]["fp32"]["ours"])
         for option in ladder:
             ours, plain = rates[model][option]["ours"], rates[model][option]["plain"]
             ratio = median([o / p for o, p in zip(ours, plain, strict=True)])
-            rows.append([model, option, f"{median(plain):.0f}", f"{median(ours):.0f}",
-                         f"**{ratio:.3f}x**", f"{median(ours) / base:.2f}x"])  # fmt: skip
-    headers = ["model", "option", "plain samples/s", "ours samples/s", "ours / plain",
-               "ours vs fp32"]  # fmt: skip
+            rows.append(
+                [
+                    model,
+                    option,
+                    f"{median(plain):.0f}",
+                    f"{median(ours):.0f}",
+                    f"**{ratio:.3f}x**",
+                    f"{median(ours) / base:.2f}x",
+                ]
+            )
+    headers = [
+        "model",
+        "option",
+        "plain samples/s",
+        "ours samples/s",
+        "ours / plain",
+        "ours vs fp32",
+    ]
     where = f"{world_size} rank(s) on {'one GPU' if gpu else 'CPU (gloo, 1 thread each)'}"
     print(f"\n{where}, median of {args.rounds} rounds (target ours / plain >= {TARGET}):")
     print(table(headers, rows))
-    record = {"device": args.device, "rounds": args.rounds, "works": works, "ladder": ladder,
-              "samples_per_s": rates, "table": {"headers": headers, "rows": rows}}  # fmt: skip
+    record = {
+        "device": args.device,
+        "rounds": args.rounds,
+        "works": works,
+        "ladder": ladder,
+        "samples_per_s": rates,
+        "table": {"headers": headers, "rows": rows},
+    }
     # The whole ladder is benchmarks/results/speed-<device>.json; a subset gets its own file.
     write_result(f"speed-{args.device}{'-partial' if args.options else ''}", record)
     return record
 
 
 def _print_trial(trial: Trial, result: dict[str, Any]) -> None:
-    print(f"round {trial.round + 1}  {trial.name:36s} {result['samples_per_s']:8.0f} samples/s",
-          flush=True)  # fmt: skip
+    print(
+        f"round {trial.round + 1}  {trial.name:36s} {result['samples_per_s']:8.0f} samples/s",
+        flush=True,
+    )

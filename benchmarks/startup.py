@@ -47,8 +47,13 @@ def free_port() -> int:
 
 def torchrun() -> list[str]:
     """torchrun with 2 ranks on a free port (not 29500: another job may hold it)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-            f"--master_port={free_port()}"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
 
 
 def command(contender: str, run_dir: Path) -> list[str]:
@@ -67,11 +72,18 @@ def measure(contender: str, run_dir: Path) -> dict[str, Any]:
     for attempt in range(2):
         started = time.perf_counter()
         try:
-            result = subprocess.run(command(contender, run_dir), cwd=REPO, env=env, text=True,
-                                    capture_output=True, timeout=HUNG_S)  # fmt: skip
+            result = subprocess.run(
+                command(contender, run_dir),
+                cwd=REPO,
+                env=env,
+                text=True,
+                capture_output=True,
+                timeout=HUNG_S,
+            )
         except subprocess.TimeoutExpired:
-            print(f"  {contender} hung for {HUNG_S} s (attempt {attempt + 1}); run again",
-                  flush=True)  # fmt: skip
+            print(
+                f"  {contender} hung for {HUNG_S} s (attempt {attempt + 1}); run again", flush=True
+            )
             continue
         seconds = time.perf_counter() - started
         break
@@ -98,22 +110,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for round_index, contender in interleave(contenders, args.repeats):
         measured = measure(contender, scratch / f"{contender}-{round_index}".replace(" ", "-"))
         runs[contender].append(measured)
-        print(f"round {round_index + 1}  {contender:18s} {measured['command_s']:.2f} s",
-              flush=True)  # fmt: skip
-    seconds = {name: median([run["command_s"] for run in measured])
-               for name, measured in runs.items()}  # fmt: skip
+        print(f"round {round_index + 1}  {contender:18s} {measured['command_s']:.2f} s", flush=True)
+    seconds = {
+        name: median([run["command_s"] for run in measured]) for name, measured in runs.items()
+    }
     floor = seconds["floor"]
-    rows = [[name, f"{seconds[name]:.2f} s", f"**{seconds[name] / floor:.2f}x**"
-             if name == "train" else f"{seconds[name] / floor:.2f}x"] for name in contenders]
+    rows = [
+        [
+            name,
+            f"{seconds[name]:.2f} s",
+            f"**{seconds[name] / floor:.2f}x**"
+            if name == "train"
+            else f"{seconds[name] / floor:.2f}x",
+        ]
+        for name in contenders
+    ]
     phases = [run["phases"] for run in runs["train"] if "phases" in run]
     breakdown = {name: median([p[name] for p in phases]) for name in phases[0]} if phases else {}
     print(f"\nmedian of {args.repeats} interleaved runs (target: train <= {TARGET_RATIO}x floor):")
     headers = ["command", "whole command", "vs the floor"]
     print(table(headers, rows))
-    print("\ntrain, where the time goes (medians, s): " +
-          ", ".join(f"{name} {value:.2f}" for name, value in breakdown.items()))  # fmt: skip
-    record = {"target_ratio": TARGET_RATIO, "repeats": args.repeats, "runs": runs,
-              "median_s": seconds, "breakdown_s": breakdown,
-              "table": {"headers": headers, "rows": rows}}  # fmt: skip
+    print(
+        "\ntrain, where the time goes (medians, s): "
+        + ", ".join(f"{name} {value:.2f}" for name, value in breakdown.items())
+    )
+    record = {
+        "target_ratio": TARGET_RATIO,
+        "repeats": args.repeats,
+        "runs": runs,
+        "median_s": seconds,
+        "breakdown_s": breakdown,
+        "table": {"headers": headers, "rows": rows},
+    }
     write_result("startup", record)
     return record

@@ -87,8 +87,7 @@ def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:
 
 # What Hydra finds wrong in a command line: an option that does not exist, a value of the wrong
 # type, an override it cannot parse.
-HYDRA_CONFIG_MISTAKES = (ConfigCompositionException, MissingConfigException,
-                         OverrideParseException)  # fmt: skip
+HYDRA_CONFIG_MISTAKES = (ConfigCompositionException, MissingConfigException, OverrideParseException)
 _hydra_run_and_report = hydra_internals.run_and_report
 
 
@@ -136,6 +135,7 @@ def main() -> None:
     finally:
         if cleanup_dir:
             shutil.rmtree(cleanup_dir, ignore_errors=True)
+
 
 if __name__ == "__main__":
     main()

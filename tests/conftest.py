@@ -18,10 +18,22 @@ from framework.config import CONF_DIR, validate
 from framework.launch import forkserver
 
 REPO = Path(__file__).resolve().parent.parent
-DIST_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                 "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES",
-                 "SLURM_RESTART_COUNT", "SUBMITIT_EXECUTOR")  # fmt: skip
+DIST_ENV_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_RESTART_COUNT",
+    "SUBMITIT_EXECUTOR",
+)
 
 
 def make_cfg(*overrides: str) -> DictConfig:
@@ -167,12 +179,17 @@ def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
     import torch.multiprocessing as mp
 
     forkserver.warm_up()
-    mp.start_processes(_as_launched, args=(*forkserver.launcher_context(), fn, args),
-                       nprocs=nprocs, start_method=forkserver.START_METHOD)  # fmt: skip
+    mp.start_processes(
+        _as_launched,
+        args=(*forkserver.launcher_context(), fn, args),
+        nprocs=nprocs,
+        start_method=forkserver.START_METHOD,
+    )
 
 
-def _as_launched(rank: int, environ: dict[str, str], cwd: str, stdio: list[int], fn,
-                 args: tuple) -> None:  # fmt: skip
+def _as_launched(
+    rank: int, environ: dict[str, str], cwd: str, stdio: list[int], fn, args: tuple
+) -> None:
     forkserver.adopt(environ, cwd, stdio)
     fn(rank, *args)
 
@@ -211,8 +228,13 @@ def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
     from framework.core.launch_context import DistEnv
     from framework.run.assemble import run
 
-    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-                  source="local")  # fmt: skip
+    env = DistEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        source="local",
+    )
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     for index, (cfg, run_dir) in enumerate(jobs):
         startup_clock.count_from_now()

@@ -22,13 +22,17 @@ class Lines(Dataset):
         return len(self.lengths)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = self.tokens[self.starts[index]:self.starts[index] + self.lengths[index] + 1]
+        window = self.tokens[self.starts[index] : self.starts[index] + self.lengths[index] + 1]
         return window[:-1], window[1:]
 
 
-def ragged_text(train_size: int = 256, val_size: int = 101, max_length: int = 24,
-                **_: object) -> Splits:  # fmt: skip
+def ragged_text(
+    train_size: int = 256, val_size: int = 101, max_length: int = 24, **_: object
+) -> Splits:
     windows = text(block_size=max_length, stride=max_length, val_fraction=0.1)
     tokens = torch.cat([windows.train.tokens, windows.val.tokens])
-    return Splits(Lines(tokens, train_size, max_length, seed=0),
-                  Lines(tokens, val_size, max_length, seed=1), decode=decode_ascii)
+    return Splits(
+        Lines(tokens, train_size, max_length, seed=0),
+        Lines(tokens, val_size, max_length, seed=1),
+        decode=decode_ascii,
+    )

@@ -43,8 +43,11 @@ class DeviceReads(TorchDispatchMode):
         if func in (aten._to_copy.default, aten.copy_.default):
             target = kwargs.get("device") if func is aten._to_copy.default else args[0].device
             source = args[0] if func is aten._to_copy.default else args[1]
-            if target is not None and torch.device(target).type == "cpu" and \
-                    source.device.type != "cpu":  # fmt: skip
+            if (
+                target is not None
+                and torch.device(target).type == "cpu"
+                and source.device.type != "cpu"
+            ):
                 self.reads.append(f"{func.name()} to cpu")
         return func(*args, **kwargs)
 

@@ -36,8 +36,11 @@ class JobRow:
     @classmethod
     def from_return(cls, num: int, ret: JobReturn) -> JobRow:
         overrides = dict(item.split("=", 1) for item in ret.overrides or [] if "=" in item)
-        overrides = {key: value for key, value in overrides.items()
-                     if not key.lstrip("+~").startswith("hydra.")}  # fmt: skip
+        overrides = {
+            key: value
+            for key, value in overrides.items()
+            if not key.lstrip("+~").startswith("hydra.")
+        }
         completed = ret.status == JobStatus.COMPLETED
         # Hydra's working_dir is the cwd (hydra.job.chdir=false); the job's dir is the output dir.
         run_dir = Path(ret.hydra_cfg.hydra.runtime.output_dir if ret.hydra_cfg else ret.working_dir)
@@ -64,8 +67,9 @@ class SweepSummary:
     @property
     def objective(self) -> str:
         """The configured objective, or (null: the task's main metric) what the jobs report."""
-        reported = [row.metrics["objective"] for row in self.rows.values()
-                    if "objective" in row.metrics]  # fmt: skip
+        reported = [
+            row.metrics["objective"] for row in self.rows.values() if "objective" in row.metrics
+        ]
         return self.configured_objective or (reported[0] if reported else "objective")
 
     def best(self) -> JobRow | None:
@@ -83,23 +87,34 @@ class SweepSummary:
         failed = sum(row.status == "failed" for row in self.rows.values())
         best = self.best()
         leader = f"; best {self.objective}: job {best.num}" if best else ""
-        log.info("sweep summary (%d jobs, %d failed%s): %s", len(self.rows), failed, leader,
-                 self.sweep_dir / "summary.md")  # fmt: skip
+        log.info(
+            "sweep summary (%d jobs, %d failed%s): %s",
+            len(self.rows),
+            failed,
+            leader,
+            self.sweep_dir / "summary.md",
+        )
 
     def table(self) -> tuple[list[str], list[list[str]]]:
         keys = sorted({key for row in self.rows.values() for key in row.overrides})
-        reported = sorted({key for row in self.rows.values() for key in row.metrics
-                           if key.startswith("val/")})  # fmt: skip
+        reported = sorted(
+            {key for row in self.rows.values() for key in row.metrics if key.startswith("val/")}
+        )
         metrics = [self.objective, *(m for m in (*reported, *RUN_COLUMNS) if m != self.objective)]
         header = ["job", "status", *keys, *metrics, "run_dir", "error"]
         body = []
         for num in sorted(self.rows):
             row = self.rows[num]
-            body.append([
-                str(num), row.status, *(row.overrides.get(key, "") for key in keys),
-                *(_format(row.metrics.get(metric)) for metric in metrics),
-                _relative(row.run_dir, self.sweep_dir), row.error,
-            ])  # fmt: skip
+            body.append(
+                [
+                    str(num),
+                    row.status,
+                    *(row.overrides.get(key, "") for key in keys),
+                    *(_format(row.metrics.get(metric)) for metric in metrics),
+                    _relative(row.run_dir, self.sweep_dir),
+                    row.error,
+                ]
+            )
         return header, body
 
     def write(self) -> None:
@@ -118,13 +133,20 @@ class SweepSummary:
         """Each completed job: a label (its number and the overrides that vary), its dir and
         its final objective."""
         rows = [self.rows[num] for num in sorted(self.rows)]
-        varying = [key for key in sorted({k for row in rows for k in row.overrides})
-                   if len({row.overrides.get(key) for row in rows}) > 1]  # fmt: skip
+        varying = [
+            key
+            for key in sorted({k for row in rows for k in row.overrides})
+            if len({row.overrides.get(key) for row in rows}) > 1
+        ]
         return [
-            (" ".join([f"#{row.num}", *(f"{k}={row.overrides.get(k, '')}" for k in varying)]),
-             Path(row.run_dir), row.metrics.get(self.objective, float("nan")))
-            for row in rows if row.status == "completed"
-        ]  # fmt: skip
+            (
+                " ".join([f"#{row.num}", *(f"{k}={row.overrides.get(k, '')}" for k in varying)]),
+                Path(row.run_dir),
+                row.metrics.get(self.objective, float("nan")),
+            )
+            for row in rows
+            if row.status == "completed"
+        ]
 
 
 def _format(value: Any) -> str:

@@ -70,8 +70,11 @@ def check_config_folders(config: DictConfig) -> None:
     for source in config.hydra.runtime.config_sources:
         kind = SourcesRegistry.instance().resolve(source.schema)
         if not kind(source.provider, f"{source.schema}://{source.path}").available():
-            where = ("FRAMEWORK_CONFIG_PATH" if source.provider == "framework-user"
-                     else "hydra.searchpath")  # fmt: skip
+            where = (
+                "FRAMEWORK_CONFIG_PATH"
+                if source.provider == "framework-user"
+                else "hydra.searchpath"
+            )
             raise ConfigError(
                 f"{where}: {source.schema}://{source.path} is not a folder of config files (it "
                 "does not exist, or the package does not import): give file:///absolute/path "

@@ -50,18 +50,24 @@ class Splits:
     decode: Callable[[list[int]], str] | None = None  # token ids -> text, for text data
 
 
-def split_indices(count: int, val_fraction: float, test_fraction: float,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def split_indices(
+    count: int, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(train, val, test or None) indices of a seeded permutation: validation first, then the
     test split, then training (so a test split takes nothing from validation)."""
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
     val_count, test_count = round(count * val_fraction), round(count * test_fraction)
-    test = order[val_count:val_count + test_count] if test_count else None
-    return order[val_count + test_count:], order[:val_count], test
+    test = order[val_count : val_count + test_count] if test_count else None
+    return order[val_count + test_count :], order[:val_count], test
 
 
-def _tensor_splits(inputs: torch.Tensor, targets: torch.Tensor, val_fraction: float,
-                   test_fraction: float, seed: int) -> Splits:  # fmt: skip
+def _tensor_splits(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+) -> Splits:
     train, val, test = split_indices(len(targets), val_fraction, test_fraction, seed)
     return Splits(
         train=TensorDataset(inputs[train], targets[train]),
@@ -82,10 +88,13 @@ def bundled_with_scikit_learn(name: str, **loadtxt: Any) -> np.ndarray:
         return np.loadtxt(file, **loadtxt)
 
 
-def digits(val_fraction: float = DigitsConfig.val_fraction,
-           test_fraction: float = DigitsConfig.test_fraction,
-           split_seed: int = DigitsConfig.split_seed,
-           normalize: bool = DigitsConfig.normalize, **_: object) -> Splits:  # fmt: skip
+def digits(
+    val_fraction: float = DigitsConfig.val_fraction,
+    test_fraction: float = DigitsConfig.test_fraction,
+    split_seed: int = DigitsConfig.split_seed,
+    normalize: bool = DigitsConfig.normalize,
+    **_: object,
+) -> Splits:
     """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes. Pixels in
     [-1, 1] (normalize) or [0, 1]."""
     table = bundled_with_scikit_learn("digits.csv.gz", delimiter=",")  # 64 pixels, then the label
@@ -97,9 +106,12 @@ def digits(val_fraction: float = DigitsConfig.val_fraction,
     return _tensor_splits(images, labels, val_fraction, test_fraction, split_seed)
 
 
-def diabetes(val_fraction: float = DiabetesConfig.val_fraction,
-             test_fraction: float = DiabetesConfig.test_fraction,
-             split_seed: int = DiabetesConfig.split_seed, **_: object) -> Splits:  # fmt: skip
+def diabetes(
+    val_fraction: float = DiabetesConfig.val_fraction,
+    test_fraction: float = DiabetesConfig.test_fraction,
+    split_seed: int = DiabetesConfig.split_seed,
+    **_: object,
+) -> Splits:
     """scikit-learn's bundled diabetes data: 442 patients, 10 features, disease progression one
     year later (a real number). Features and target standardised with the training split's
     mean and std (R² does not depend on the target's scale)."""
@@ -112,14 +124,16 @@ def diabetes(val_fraction: float = DiabetesConfig.val_fraction,
         reference = values[train]
         return (values - reference.mean(0)) / reference.std(0)
 
-    return _tensor_splits(standardise(features), standardise(target), val_fraction,
-                          test_fraction, split_seed)  # fmt: skip
+    return _tensor_splits(
+        standardise(features), standardise(target), val_fraction, test_fraction, split_seed
+    )
 
 
 # Python's help texts hold 9 characters outside ASCII; each becomes its ASCII look-alike, so the
 # vocabulary is the 128 ASCII codes whatever the Python version.
-_ASCII_FOLD = str.maketrans({"°": "o", "ß": "s", "–": "-", "—": "-", "‘": "'", "’": "'",
-                             "“": '"', "”": '"', "…": "."})  # fmt: skip
+_ASCII_FOLD = str.maketrans(
+    {"°": "o", "ß": "s", "–": "-", "—": "-", "‘": "'", "’": "'", "“": '"', "”": '"', "…": "."}
+)
 
 
 class TokenWindows(Dataset):
@@ -133,7 +147,7 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.stride
-        window = self.tokens[start:start + self.block_size + 1]
+        window = self.tokens[start : start + self.block_size + 1]
         return window[:-1], window[1:]
 
 
@@ -141,8 +155,12 @@ def decode_ascii(ids: list[int]) -> str:
     return "".join(map(chr, ids))
 
 
-def text(block_size: int = TextConfig.block_size, stride: int = TextConfig.stride,
-         val_fraction: float = TextConfig.val_fraction, **_: object) -> Splits:  # fmt: skip
+def text(
+    block_size: int = TextConfig.block_size,
+    stride: int = TextConfig.stride,
+    val_fraction: float = TextConfig.val_fraction,
+    **_: object,
+) -> Splits:
     """English text that ships with Python: the standard library's help topics
     (pydoc_data.topics, ~465,000 characters), one token per character. The last val_fraction
     of the text is the validation split."""
@@ -152,10 +170,18 @@ def text(block_size: int = TextConfig.block_size, stride: int = TextConfig.strid
     tokens = torch.tensor(list(corpus.encode("ascii", errors="replace")), dtype=torch.long)
     split = round(len(tokens) * (1 - val_fraction))
     val_text = corpus[split:]
-    log.info("text: %d characters (%d for validation); the validation text's unigram entropy is "
-             "%.3f bits/char", len(corpus), len(val_text), unigram_entropy(val_text))  # fmt: skip
-    return Splits(train=TokenWindows(tokens[:split], block_size, stride),
-                  val=TokenWindows(tokens[split:], block_size, block_size), decode=decode_ascii)
+    log.info(
+        "text: %d characters (%d for validation); the validation text's unigram entropy is "
+        "%.3f bits/char",
+        len(corpus),
+        len(val_text),
+        unigram_entropy(val_text),
+    )
+    return Splits(
+        train=TokenWindows(tokens[:split], block_size, stride),
+        val=TokenWindows(tokens[split:], block_size, block_size),
+        decode=decode_ascii,
+    )
 
 
 def unigram_entropy(text: str) -> float:
@@ -175,8 +201,10 @@ class PadSequences:
     def __call__(self, samples: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         inputs, targets = zip(*samples, strict=True)
         pad = torch.nn.utils.rnn.pad_sequence
-        return (pad(list(inputs), batch_first=True, padding_value=self.pad_id),
-                pad(list(targets), batch_first=True, padding_value=self.ignore_index))
+        return (
+            pad(list(inputs), batch_first=True, padding_value=self.pad_id),
+            pad(list(targets), batch_first=True, padding_value=self.ignore_index),
+        )
 
 
 def synthetic(
@@ -220,8 +248,12 @@ def _cifar_folder() -> type:
     return CifarFolder
 
 
-def cifar10(root: str | None, download: bool = Cifar10Config.download,
-            augment: bool = Cifar10Config.augment, **_: object) -> Splits:  # fmt: skip
+def cifar10(
+    root: str | None,
+    download: bool = Cifar10Config.download,
+    augment: bool = Cifar10Config.augment,
+    **_: object,
+) -> Splits:
     """CIFAR-10 from a local folder in torchvision's layout (`cifar-10-batches-py`)."""
     # torchvision is imported here, not at the top: runs that use neither CIFAR-10 nor a
     # ResNet need not pay its import at start-up.
@@ -299,17 +331,27 @@ class Loaders:
     test: DataLoader | None = None
 
 
-def build_loaders(splits: Splits, data_cfg, env: DistEnv, seed: int, device: torch.device,
-                  collate_fn: Callable | None = None) -> Loaders:  # fmt: skip
+def build_loaders(
+    splits: Splits,
+    data_cfg,
+    env: DistEnv,
+    seed: int,
+    device: torch.device,
+    collate_fn: Callable | None = None,
+) -> Loaders:
     train, sampler = train_loader(splits.train, data_cfg, env, seed, device, collate_fn)
-    test = None if splits.test is None else eval_loader(splits.test, data_cfg, env, device,
-                                                        collate_fn)  # fmt: skip
-    return Loaders(train, sampler, eval_loader(splits.val, data_cfg, env, device, collate_fn),
-                   test)
+    test = (
+        None if splits.test is None else eval_loader(splits.test, data_cfg, env, device, collate_fn)
+    )
+    return Loaders(train, sampler, eval_loader(splits.val, data_cfg, env, device, collate_fn), test)
 
 
 def train_loader(
-    dataset: Dataset, data_cfg, env: DistEnv, seed: int, device: torch.device,
+    dataset: Dataset,
+    data_cfg,
+    env: DistEnv,
+    seed: int,
+    device: torch.device,
     collate_fn: Callable | None = None,
 ) -> tuple[DataLoader, ResumableSampler]:
     sampler = ResumableSampler(
@@ -332,8 +374,13 @@ def train_loader(
     return loader, sampler
 
 
-def eval_loader(dataset: Dataset, data_cfg, env: DistEnv, device: torch.device,
-                collate_fn: Callable | None = None) -> DataLoader:  # fmt: skip
+def eval_loader(
+    dataset: Dataset,
+    data_cfg,
+    env: DistEnv,
+    device: torch.device,
+    collate_fn: Callable | None = None,
+) -> DataLoader:
     return DataLoader(
         dataset,
         batch_size=data_cfg["eval_batch_size"],

@@ -22,13 +22,17 @@ class EMA:
     @staticmethod
     def _tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         tensors = [t.detach() for t in (*module.parameters(), *module.buffers())]
-        return ([t for t in tensors if t.is_floating_point()],
-                [t for t in tensors if not t.is_floating_point()])  # fmt: skip
+        return (
+            [t for t in tensors if t.is_floating_point()],
+            [t for t in tensors if not t.is_floating_point()],
+        )
 
     @torch.no_grad()
     def update(self, module: nn.Module, applied: torch.Tensor | None = None) -> None:
-        (averages, counters), (weights, their_counters) = (self._tensors(self.module),
-                                                           self._tensors(module))  # fmt: skip
+        (averages, counters), (weights, their_counters) = (
+            self._tensors(self.module),
+            self._tensors(module),
+        )
         if applied is None:
             torch._foreach_lerp_(averages, weights, 1 - self.decay)
         else:

@@ -59,8 +59,13 @@ def _format(value: Any) -> str:
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
-    return {key: value for key, value in metrics.items() if key not in ("step", "epoch")
-            and isinstance(value, int | float) and not isinstance(value, bool)}  # fmt: skip
+    return {
+        key: value
+        for key, value in metrics.items()
+        if key not in ("step", "epoch")
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+    }
 
 
 class ConsoleSink(NullSink):
@@ -100,8 +105,12 @@ class _Guarded(NullSink):
             call(*args, **kwargs)
         except Exception as error:  # noqa: BLE001
             self.broken = True
-            log.warning("%s stopped working (%s: %s); metrics.jsonl keeps every metric",
-                        self.label, type(error).__name__, error)  # fmt: skip
+            log.warning(
+                "%s stopped working (%s: %s); metrics.jsonl keeps every metric",
+                self.label,
+                type(error).__name__,
+                error,
+            )
 
 
 def wandb_has_credentials() -> bool:
@@ -117,9 +126,19 @@ class WandbSink(_Guarded):
 
     label = "W&B"
 
-    def __init__(self, run: RunDir, config: dict, project: str, entity: str | None,
-                 group: str | None, run_name: str | None, tags: list[str], mode: str,
-                 resume_id: str | None = None, resume_step: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run: RunDir,
+        config: dict,
+        project: str,
+        entity: str | None,
+        group: str | None,
+        run_name: str | None,
+        tags: list[str],
+        mode: str,
+        resume_id: str | None = None,
+        resume_step: int = 0,
+    ) -> None:
         import wandb  # imported here: costs ~1 s and only rank 0 with logger=wandb needs it
 
         # W&B stores sys.argv in the run's metadata. main() hides secret overrides; should a
@@ -132,14 +151,23 @@ class WandbSink(_Guarded):
         # W&B run ids are short lowercase alphanumerics; a restart continues the saved one.
         self.run_id = resume_id or secrets.token_hex(4)
         self.run = wandb.init(
-            project=project, entity=entity, group=group, tags=list(tags),
-            name=run_name or run.path.name, dir=os.environ.get("WANDB_DIR") or str(run.path),
+            project=project,
+            entity=entity,
+            group=group,
+            tags=list(tags),
+            name=run_name or run.path.name,
+            dir=os.environ.get("WANDB_DIR") or str(run.path),
             config=config,  # redacted once by the caller (redaction.redacted_container)
-            mode=mode, settings=settings, id=self.run_id, resume="allow",
-        )  # fmt: skip
+            mode=mode,
+            settings=settings,
+            id=self.run_id,
+            resume="allow",
+        )
         if mode == "offline":
-            log.info("W&B is offline (no credentials found); upload later with: wandb sync %s",
-                     Path(self.run.dir).parent)  # fmt: skip
+            log.info(
+                "W&B is offline (no credentials found); upload later with: wandb sync %s",
+                Path(self.run.dir).parent,
+            )
 
     def log(self, metrics: dict[str, Any]) -> None:
         self._guarded(self.run.log, metrics, step=metrics.get("step"))
@@ -156,12 +184,14 @@ class TensorBoardSink(NullSink):
     <run dir>/tensorboard`). A resumed run drops the events logged after its checkpoint
     (purge_step), as metrics.jsonl does."""
 
-    def __init__(self, run: RunDir, config: dict, resume_id: str | None = None,
-                 resume_step: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, run: RunDir, config: dict, resume_id: str | None = None, resume_step: int = 0
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter  # only rank 0 with this logger
 
-        self.writer = SummaryWriter(str(run.path / "tensorboard"),
-                                    purge_step=resume_step + 1 if resume_step else None)
+        self.writer = SummaryWriter(
+            str(run.path / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+        )
 
     def log(self, metrics: dict[str, Any]) -> None:
         for key, value in _numbers(metrics).items():
@@ -178,14 +208,23 @@ class CsvSink(NullSink):
     """logger=csv: <run dir>/metrics.csv, one row per event, one column per key (the file is
     rewritten when a new key appears). A resumed run drops the rows after its checkpoint."""
 
-    def __init__(self, run: RunDir, config: dict, filename: str = "metrics.csv",
-                 resume_id: str | None = None, resume_step: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run: RunDir,
+        config: dict,
+        filename: str = "metrics.csv",
+        resume_id: str | None = None,
+        resume_step: int = 0,
+    ) -> None:
         self.path = run.path / filename
         self.rows: list[dict[str, Any]] = []
         if self.path.exists():
             with self.path.open(newline="") as file:
-                self.rows = [row for row in csv.DictReader(file)
-                             if float(row.get("step") or 0) <= resume_step]  # fmt: skip
+                self.rows = [
+                    row
+                    for row in csv.DictReader(file)
+                    if float(row.get("step") or 0) <= resume_step
+                ]
         self.columns = list(dict.fromkeys(key for row in self.rows for key in row))
         self._rewrite()
 
@@ -213,18 +252,29 @@ class MLflowSink(_Guarded):
 
     label = "MLflow"
 
-    def __init__(self, run: RunDir, config: dict, tracking_uri: str | None, experiment: str,
-                 run_name: str | None, resume_id: str | None = None,
-                 resume_step: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run: RunDir,
+        config: dict,
+        tracking_uri: str | None,
+        experiment: str,
+        run_name: str | None,
+        resume_id: str | None = None,
+        resume_step: int = 0,
+    ) -> None:
         import mlflow  # imported here: ~2 s, only rank 0 with logger=mlflow needs it
 
         self.mlflow = mlflow
         self.run_dir = run
-        mlflow.set_tracking_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-                                or f"sqlite:///{Path.cwd() / 'mlflow.db'}")  # fmt: skip
+        mlflow.set_tracking_uri(
+            tracking_uri
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+        )
         mlflow.set_experiment(experiment)
-        active = mlflow.start_run(run_id=resume_id, run_name=None if resume_id else
-                                  run_name or run.path.name)  # fmt: skip
+        active = mlflow.start_run(
+            run_id=resume_id, run_name=None if resume_id else run_name or run.path.name
+        )
         self.run_id = active.info.run_id
         if not resume_id:
             params = {key: json.dumps(value) for key, value in _flat(config).items()}
@@ -247,8 +297,11 @@ class MLflowSink(_Guarded):
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(node, dict):
         return {prefix[:-1]: node}
-    return {key: value for name, child in node.items()
-            for key, value in _flat(child, f"{prefix}{name}.").items()}  # fmt: skip
+    return {
+        key: value
+        for name, child in node.items()
+        for key, value in _flat(child, f"{prefix}{name}.").items()
+    }
 
 
 class FanOut(NullSink):
@@ -275,19 +328,27 @@ class FanOut(NullSink):
             sink.close()
 
 
-def build_sink(is_main: bool, loggers: DictConfig, run: RunDir, config: dict,
-               resume_ids: dict[str, str], resume_step: int) -> FanOut:  # fmt: skip
+def build_sink(
+    is_main: bool,
+    loggers: DictConfig,
+    run: RunDir,
+    config: dict,
+    resume_ids: dict[str, str],
+    resume_step: int,
+) -> FanOut:
     """Rank 0: console, metrics.jsonl, and every selected logger (continuing the runs in
     `resume_ids` after a restart); other ranks: nothing."""
     if not is_main:
         return FanOut([])
     named: dict[str, MetricSink] = {}
     for name, logger in loggers.items():
-        named[str(name)] = instantiate(logger)(run=run, config=config,
-                                               resume_id=resume_ids.get(str(name)),
-                                               resume_step=resume_step)  # fmt: skip
-    return FanOut([ConsoleSink(), JsonlSink(run), *named.values()],
-                  {name: sink.run_id for name, sink in named.items() if sink.run_id})
+        named[str(name)] = instantiate(logger)(
+            run=run, config=config, resume_id=resume_ids.get(str(name)), resume_step=resume_step
+        )
+    return FanOut(
+        [ConsoleSink(), JsonlSink(run), *named.values()],
+        {name: sink.run_id for name, sink in named.items() if sink.run_id},
+    )
 
 
 def setup_logging(is_main: bool, rank: int, log_file: Path | None) -> None:

@@ -25,12 +25,16 @@ def scaled_lr(optimizer_cfg: Any, global_batch_size: int) -> float:
     return optimizer_cfg.lr * factor
 
 
-def parameter_groups(optimizer_cfg: Any, params: nn.Module | Iterable[torch.Tensor],
-                     lr: float) -> list[dict[str, Any]]:  # fmt: skip
+def parameter_groups(
+    optimizer_cfg: Any, params: nn.Module | Iterable[torch.Tensor], lr: float
+) -> list[dict[str, Any]]:
     """One group per (weight decay, lr multiplier), in the order parameters first appear; the
     groups at the base lr come first (`lr` in the logs is group 0's)."""
-    named = (params.named_parameters() if isinstance(params, nn.Module)
-             else ((f"param{i}", p) for i, p in enumerate(params)))  # fmt: skip
+    named = (
+        params.named_parameters()
+        if isinstance(params, nn.Module)
+        else ((f"param{i}", p) for i, p in enumerate(params))
+    )
     multipliers = dict(optimizer_cfg.get("lr_multipliers") or {})
     used: set[str] = set()
     groups: dict[tuple[float, float], list[torch.Tensor]] = {}
@@ -50,16 +54,19 @@ def parameter_groups(optimizer_cfg: Any, params: nn.Module | Iterable[torch.Tens
             f"(they are named like {', '.join(name for name, _ in list(_names(params))[:4])})"
         )
     ordered = sorted(groups.items(), key=lambda item: item[0][1] != 1.0)
-    return [{"params": group, "weight_decay": decay, "lr": lr * multiplier}
-            for (decay, multiplier), group in ordered]  # fmt: skip
+    return [
+        {"params": group, "weight_decay": decay, "lr": lr * multiplier}
+        for (decay, multiplier), group in ordered
+    ]
 
 
 def _names(params: nn.Module | Iterable[torch.Tensor]) -> Iterable[tuple[str, Any]]:
     return params.named_parameters() if isinstance(params, nn.Module) else ()
 
 
-def build_optimizer(optimizer_cfg: Any, params: nn.Module | Iterable[torch.Tensor],
-                    lr: float) -> torch.optim.Optimizer:  # fmt: skip
+def build_optimizer(
+    optimizer_cfg: Any, params: nn.Module | Iterable[torch.Tensor], lr: float
+) -> torch.optim.Optimizer:
     kwargs = OmegaConf.to_container(optimizer_cfg)
     for key in OUR_KEYS:
         kwargs.pop(key, None)

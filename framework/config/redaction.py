@@ -80,9 +80,24 @@ SECRET_WORDS = frozenset(
 # not the secret (SSL_KEY_FILE=/etc/ssl/key.pem, REDIS_KEY_PREFIX=app): redacting its value
 # would blank out unrelated text (paths, host names) in what we write.
 NOT_SECRET_LAST_WORDS = frozenset(
-    {"file", "path", "dir", "sock", "socket", "url", "host", "port", "name", "prefix", "region",
-     "user", "username", "type", "mode"}
-)  # fmt: skip
+    {
+        "file",
+        "path",
+        "dir",
+        "sock",
+        "socket",
+        "url",
+        "host",
+        "port",
+        "name",
+        "prefix",
+        "region",
+        "user",
+        "username",
+        "type",
+        "mode",
+    }
+)
 
 
 def name_words(name: str) -> list[str]:

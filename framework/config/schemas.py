@@ -560,12 +560,23 @@ class Config:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "task": {"base": TaskConfig, "classification": ClassificationConfig,
-             "regression": RegressionConfig, "language_model": LanguageModelConfig,
-             "autoencoder": AutoencoderConfig},  # fmt: skip
-    "model": {"base": ModelConfig, "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNet18Config,
-              "resnet50": ResNet50Config, "ffn": FeedForwardConfig, "vae": VAEModelConfig,
-              "gpt": GPTConfig},  # fmt: skip
+    "task": {
+        "base": TaskConfig,
+        "classification": ClassificationConfig,
+        "regression": RegressionConfig,
+        "language_model": LanguageModelConfig,
+        "autoencoder": AutoencoderConfig,
+    },
+    "model": {
+        "base": ModelConfig,
+        "mlp": MLPConfig,
+        "cnn": CNNConfig,
+        "resnet18": ResNet18Config,
+        "resnet50": ResNet50Config,
+        "ffn": FeedForwardConfig,
+        "vae": VAEModelConfig,
+        "gpt": GPTConfig,
+    },
     "data": {
         "base": DataConfig,
         "digits": DigitsConfig,
@@ -581,17 +592,25 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "step": StepSchedulerConfig,
     },
     "precision": {"fp32": PrecisionConfig, "bf16": BF16Config, "amp": AmpConfig},
-    "comm": {"allreduce": CommConfig, "fp16": FP16CommConfig, "bf16": BF16CommConfig,
-             "powersgd": PowerSGDConfig},  # fmt: skip
+    "comm": {
+        "allreduce": CommConfig,
+        "fp16": FP16CommConfig,
+        "bf16": BF16CommConfig,
+        "powersgd": PowerSGDConfig,
+    },
     "launcher": {
         "local": LocalLauncherConfig,
         "torchrun": TorchrunLauncherConfig,
         "slurm": SlurmLauncherConfig,
         "slurm_local": SlurmLocalLauncherConfig,
     },
-    "logger": {"base": LoggerConfig, "wandb": WandbLoggerConfig,
-               "tensorboard": TensorBoardLoggerConfig, "csv": CsvLoggerConfig,
-               "mlflow": MLflowLoggerConfig},  # fmt: skip
+    "logger": {
+        "base": LoggerConfig,
+        "wandb": WandbLoggerConfig,
+        "tensorboard": TensorBoardLoggerConfig,
+        "csv": CsvLoggerConfig,
+        "mlflow": MLflowLoggerConfig,
+    },
 }
 
 

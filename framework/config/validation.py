@@ -36,9 +36,14 @@ def require(condition: bool, message: str) -> None:
 
 # The framework's own sections: every key is a field of their schema (`+trainer.max_step=...`
 # would otherwise be accepted and never read).
-TYPED_SECTIONS = {"trainer": s.TrainerConfig, "trainer.early_stopping": s.EarlyStoppingConfig,
-                  "checkpoint": s.CheckpointConfig, "dist": s.DistConfig,
-                  "dist.ddp": s.DDPConfig, "eval": s.EvalConfig}  # fmt: skip
+TYPED_SECTIONS = {
+    "trainer": s.TrainerConfig,
+    "trainer.early_stopping": s.EarlyStoppingConfig,
+    "checkpoint": s.CheckpointConfig,
+    "dist": s.DistConfig,
+    "dist.ddp": s.DDPConfig,
+    "eval": s.EvalConfig,
+}
 
 
 def validate(cfg: DictConfig) -> None:
@@ -50,15 +55,20 @@ def validate(cfg: DictConfig) -> None:
     _check_trainer(cfg.trainer)
     _check_checkpoint(cfg.checkpoint)
     nproc = cfg.launcher.nproc_per_node
-    require(nproc >= 1, f"launcher.nproc_per_node={nproc} is invalid: it must be >= 1 "
-                        "(1 = one process, 2 = two local ranks, ...)")  # fmt: skip
+    require(
+        nproc >= 1,
+        f"launcher.nproc_per_node={nproc} is invalid: it must be >= 1 "
+        "(1 = one process, 2 = two local ranks, ...)",
+    )
     require(cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size} must be >= 1")
     require(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers} must be >= 0")
     require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
     for pattern, multiplier in (cfg.optimizer.get("lr_multipliers") or {}).items():
         require(multiplier > 0, f"optimizer.lr_multipliers.{pattern}={multiplier} must be > 0")
-    require(cfg.dist.backend in ("auto", "gloo", "nccl"),
-            f"dist.backend={cfg.dist.backend!r} is invalid: choose auto, gloo or nccl")  # fmt: skip
+    require(
+        cfg.dist.backend in ("auto", "gloo", "nccl"),
+        f"dist.backend={cfg.dist.backend!r} is invalid: choose auto, gloo or nccl",
+    )
     require(cfg.dist.timeout_s > 0, f"dist.timeout_s={cfg.dist.timeout_s} must be > 0")
     for group in GROUPS:
         for check in checks_for(OmegaConf.get_type(cfg[group])):
@@ -71,9 +81,12 @@ def validate(cfg: DictConfig) -> None:
 def _check_nothing_missing(cfg: DictConfig) -> None:
     """A mandatory value (??? in a schema) that no option or override set."""
     # Hydra's own node holds values that exist only inside a job (hydra.job.num): not walked.
-    missing = sorted(key for section in cfg if section != "hydra"
-                     and isinstance(cfg[section], DictConfig)
-                     for key in OmegaConf.missing_keys(cfg[section]))  # fmt: skip
+    missing = sorted(
+        key
+        for section in cfg
+        if section != "hydra" and isinstance(cfg[section], DictConfig)
+        for key in OmegaConf.missing_keys(cfg[section])
+    )
     if not missing:
         return
     key = missing[0]
@@ -93,8 +106,11 @@ def _check_no_unknown_keys(cfg: DictConfig) -> None:
         for key in node.keys() if node is not None else ():
             if key not in known:
                 close = difflib.get_close_matches(str(key), known, n=1)
-                hint = f"did you mean {section}.{close[0]}?" if close else \
-                    f"the keys are {', '.join(known)}"  # fmt: skip
+                hint = (
+                    f"did you mean {section}.{close[0]}?"
+                    if close
+                    else f"the keys are {', '.join(known)}"
+                )
                 raise ConfigError(f"{section}.{key} is not a setting: {hint}")
 
 
@@ -108,8 +124,11 @@ def resolve_objective(objective: str | None, directions: dict[str, str]) -> tupl
     known = {**directions, **RUN_METRICS}
     main = next(iter(directions))
     name = main if objective is None else objective
-    require(name in known, f"objective={objective!r} is not a metric this run reports: choose "
-                           f"one of {', '.join(known)} (or null for {main})")  # fmt: skip
+    require(
+        name in known,
+        f"objective={objective!r} is not a metric this run reports: choose "
+        f"one of {', '.join(known)} (or null for {main})",
+    )
     return name, known[name]
 
 
@@ -122,49 +141,72 @@ def resolve_monitor(objective: str | None, directions: dict[str, str]) -> tuple[
 
 def _check_mode(cfg: DictConfig) -> None:
     require(cfg.mode in ("train", "eval"), f"mode={cfg.mode!r} is invalid: choose train or eval")
-    require(cfg.eval.split in ("val", "test"),
-            f"eval.split={cfg.eval.split!r} is invalid: choose val or test")  # fmt: skip
+    require(
+        cfg.eval.split in ("val", "test"),
+        f"eval.split={cfg.eval.split!r} is invalid: choose val or test",
+    )
     if cfg.mode == "eval":
-        require(cfg.checkpoint.resume not in ("auto", "never"),
-                "mode=eval evaluates a checkpoint: set checkpoint.resume=<run dir>/checkpoints/"
-                "last.pt (or best.pt, or any step_*.pt)")  # fmt: skip
+        require(
+            cfg.checkpoint.resume not in ("auto", "never"),
+            "mode=eval evaluates a checkpoint: set checkpoint.resume=<run dir>/checkpoints/"
+            "last.pt (or best.pt, or any step_*.pt)",
+        )
 
 
 def _check_trainer(t: DictConfig) -> None:
     require(t.grad_accum >= 1, f"trainer.grad_accum={t.grad_accum} is invalid: must be >= 1")
     require(t.log_every >= 1, f"trainer.log_every={t.log_every} is invalid: must be >= 1")
-    require(t.eval_every >= 0,
-            f"trainer.eval_every={t.eval_every} is invalid: use 0 (end only) or >= 1")  # fmt: skip
-    require(t.max_steps is not None or t.max_epochs is not None,
-            "trainer.max_steps and trainer.max_epochs are both null: set at least one")  # fmt: skip
-    require(t.max_steps is None or t.max_steps >= 1,
-            f"trainer.max_steps={t.max_steps} must be >= 1")  # fmt: skip
-    require(t.max_epochs is None or t.max_epochs >= 1,
-            f"trainer.max_epochs={t.max_epochs} must be >= 1")  # fmt: skip
-    require(t.clip_grad_norm is None or t.clip_grad_norm > 0,
-            f"trainer.clip_grad_norm={t.clip_grad_norm} must be > 0 (or null to disable "
-            "clipping)")  # fmt: skip
-    require(t.ema_decay is None or 0.0 < t.ema_decay < 1.0,
-            f"trainer.ema_decay={t.ema_decay} must be in (0, 1), e.g. 0.999 (or null to "
-            "disable)")  # fmt: skip
-    require(t.on_nonfinite in ("stop", "skip"),
-            f"trainer.on_nonfinite={t.on_nonfinite!r} is invalid: choose stop or skip")  # fmt: skip
+    require(
+        t.eval_every >= 0, f"trainer.eval_every={t.eval_every} is invalid: use 0 (end only) or >= 1"
+    )
+    require(
+        t.max_steps is not None or t.max_epochs is not None,
+        "trainer.max_steps and trainer.max_epochs are both null: set at least one",
+    )
+    require(
+        t.max_steps is None or t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1"
+    )
+    require(
+        t.max_epochs is None or t.max_epochs >= 1, f"trainer.max_epochs={t.max_epochs} must be >= 1"
+    )
+    require(
+        t.clip_grad_norm is None or t.clip_grad_norm > 0,
+        f"trainer.clip_grad_norm={t.clip_grad_norm} must be > 0 (or null to disable clipping)",
+    )
+    require(
+        t.ema_decay is None or 0.0 < t.ema_decay < 1.0,
+        f"trainer.ema_decay={t.ema_decay} must be in (0, 1), e.g. 0.999 (or null to disable)",
+    )
+    require(
+        t.on_nonfinite in ("stop", "skip"),
+        f"trainer.on_nonfinite={t.on_nonfinite!r} is invalid: choose stop or skip",
+    )
     for name in t.stop_signals:
-        require(name in STOP_SIGNALS,
-                f"trainer.stop_signals: {name!r} is not a signal a run can stop on: "
-                f"choose from {', '.join(STOP_SIGNALS)}")  # fmt: skip
+        require(
+            name in STOP_SIGNALS,
+            f"trainer.stop_signals: {name!r} is not a signal a run can stop on: "
+            f"choose from {', '.join(STOP_SIGNALS)}",
+        )
     patience = t.early_stopping.patience
     if patience is not None:
-        require(patience >= 1, f"trainer.early_stopping.patience={patience} must be >= 1 (or "
-                               "null: off)")  # fmt: skip
-        require(t.eval_every >= 1, "trainer.early_stopping.patience counts evaluations: set "
-                                   "trainer.eval_every (steps between evaluations) >= 1")
-    require(t.early_stopping.min_delta >= 0,
-            f"trainer.early_stopping.min_delta={t.early_stopping.min_delta} must be >= 0")
+        require(
+            patience >= 1, f"trainer.early_stopping.patience={patience} must be >= 1 (or null: off)"
+        )
+        require(
+            t.eval_every >= 1,
+            "trainer.early_stopping.patience counts evaluations: set "
+            "trainer.eval_every (steps between evaluations) >= 1",
+        )
+    require(
+        t.early_stopping.min_delta >= 0,
+        f"trainer.early_stopping.min_delta={t.early_stopping.min_delta} must be >= 0",
+    )
     steps = list(t.profile_steps)
-    require(steps == [] or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
-            f"trainer.profile_steps={steps} is invalid: give [first, last] optimizer steps, "
-            "e.g. [10, 12], or [] (off)")  # fmt: skip
+    require(
+        steps == [] or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
+        f"trainer.profile_steps={steps} is invalid: give [first, last] optimizer steps, "
+        "e.g. [10, 12], or [] (off)",
+    )
 
 
 def _check_checkpoint(ck: DictConfig) -> None:
@@ -172,9 +214,11 @@ def _check_checkpoint(ck: DictConfig) -> None:
     require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
     require(ck.best >= 0, f"checkpoint.best={ck.best} must be >= 0 (0: off)")
     if ck.resume not in ("auto", "never"):
-        require(Path(ck.resume).expanduser().is_file(),
-                f"checkpoint.resume={ck.resume} is not a file: give a checkpoint file "
-                "(<run dir>/checkpoints/last.pt), auto or never")  # fmt: skip
+        require(
+            Path(ck.resume).expanduser().is_file(),
+            f"checkpoint.resume={ck.resume} is not a file: give a checkpoint file "
+            "(<run dir>/checkpoints/last.pt), auto or never",
+        )
 
 
 def _reject_srun_steps(launcher: DictConfig, cfg: DictConfig) -> None:
@@ -198,15 +242,18 @@ def _reject_srun_steps(launcher: DictConfig, cfg: DictConfig) -> None:
 def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:
     _reject_srun_steps(launcher, cfg)
     require(launcher.nnodes >= 1, f"launcher.nnodes={launcher.nnodes} must be >= 1")
-    require(launcher.max_restarts >= 0,
-            f"launcher.max_restarts={launcher.max_restarts} must be >= 0")  # fmt: skip
+    require(
+        launcher.max_restarts >= 0, f"launcher.max_restarts={launcher.max_restarts} must be >= 0"
+    )
 
 
 def _check_submitit(launcher: DictConfig, cfg: DictConfig) -> None:
     for key in ("tasks_per_node", "timeout_min") + (("nodes",) if "nodes" in launcher else ()):
         require(launcher[key] >= 1, f"launcher.{key}={launcher[key]} must be >= 1")
-    require(launcher.max_num_timeout >= 0,
-            f"launcher.max_num_timeout={launcher.max_num_timeout} must be >= 0")  # fmt: skip
+    require(
+        launcher.max_num_timeout >= 0,
+        f"launcher.max_num_timeout={launcher.max_num_timeout} must be >= 0",
+    )
     gpus, tasks = launcher.gpus_per_node, launcher.tasks_per_node
     require(
         gpus == 0 or tasks == gpus,
@@ -229,24 +276,33 @@ def _check_submitit(launcher: DictConfig, cfg: DictConfig) -> None:
 def _check_amp(p: DictConfig, cfg: DictConfig) -> None:
     require(p.init_scale > 0, f"precision.init_scale={p.init_scale} must be > 0")
     require(p.growth_factor > 1, f"precision.growth_factor={p.growth_factor} must be > 1")
-    require(0 < p.backoff_factor < 1,
-            f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)")  # fmt: skip
-    require(p.growth_interval >= 1,
-            f"precision.growth_interval={p.growth_interval} must be >= 1")  # fmt: skip
+    require(
+        0 < p.backoff_factor < 1, f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)"
+    )
+    require(p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1")
 
 
 def _check_powersgd(comm: DictConfig, cfg: DictConfig) -> None:
-    require(comm.rank >= 1, f"comm.rank={comm.rank} is invalid: the PowerSGD rank must be >= 1 "
-                            "(1, 2 and 4 are usual)")  # fmt: skip
-    require(comm.start_iter >= 0, f"comm.start_iter={comm.start_iter} is invalid: steps of "
-                                  "plain allreduce must be >= 0")  # fmt: skip
-    require(comm.min_compression_rate >= 0,
-            f"comm.min_compression_rate={comm.min_compression_rate} must be >= 0")  # fmt: skip
-    require(comm.orthogonalization_epsilon >= 0,
-            f"comm.orthogonalization_epsilon={comm.orthogonalization_epsilon} must be >= 0")
-    require(comm.compress in (None, "fp16", "bf16"),
-            f"comm.compress={comm.compress!r} is invalid: choose fp16, bf16 or null (no "
-            "wrapper)")  # fmt: skip
+    require(
+        comm.rank >= 1,
+        f"comm.rank={comm.rank} is invalid: the PowerSGD rank must be >= 1 (1, 2 and 4 are usual)",
+    )
+    require(
+        comm.start_iter >= 0,
+        f"comm.start_iter={comm.start_iter} is invalid: steps of plain allreduce must be >= 0",
+    )
+    require(
+        comm.min_compression_rate >= 0,
+        f"comm.min_compression_rate={comm.min_compression_rate} must be >= 0",
+    )
+    require(
+        comm.orthogonalization_epsilon >= 0,
+        f"comm.orthogonalization_epsilon={comm.orthogonalization_epsilon} must be >= 0",
+    )
+    require(
+        comm.compress in (None, "fp16", "bf16"),
+        f"comm.compress={comm.compress!r} is invalid: choose fp16, bf16 or null (no wrapper)",
+    )
 
 
 def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
@@ -269,32 +325,41 @@ def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
 
 
 def _check_autoencoder(task: DictConfig, cfg: DictConfig) -> None:
-    require(task.reconstruction in ("mse", "bce"),
-            f"task.reconstruction={task.reconstruction!r} is invalid: choose mse or bce")
+    require(
+        task.reconstruction in ("mse", "bce"),
+        f"task.reconstruction={task.reconstruction!r} is invalid: choose mse or bce",
+    )
     require(task.kl_weight >= 0, f"task.kl_weight={task.kl_weight} must be >= 0")
 
 
 def _check_classification(task: DictConfig, cfg: DictConfig) -> None:
-    require(0 <= task.label_smoothing < 1,
-            f"task.label_smoothing={task.label_smoothing} must be in [0, 1)")  # fmt: skip
+    require(
+        0 <= task.label_smoothing < 1,
+        f"task.label_smoothing={task.label_smoothing} must be in [0, 1)",
+    )
 
 
 def _check_logger(name: str, logger: DictConfig, cfg: DictConfig) -> None:
-    require(isinstance(logger, DictConfig) and "_target_" in logger,
-            f"logger.{name} is not a logger: pick loggers by name, logger=[wandb,csv,...]")
+    require(
+        isinstance(logger, DictConfig) and "_target_" in logger,
+        f"logger.{name} is not a logger: pick loggers by name, logger=[wandb,csv,...]",
+    )
     schema = OmegaConf.get_type(logger)
     package = LOGGER_PACKAGES.get(schema)
-    require(package is None or importlib.util.find_spec(package) is not None,
-            f"logger={name} needs the {package} package, which is not installed: "
-            "uv sync --group loggers (uv run pytest installs it with the dev group)")
+    require(
+        package is None or importlib.util.find_spec(package) is not None,
+        f"logger={name} needs the {package} package, which is not installed: "
+        "uv sync --group loggers (uv run pytest installs it with the dev group)",
+    )
     for check in checks_for(schema):
         check(logger, cfg)
 
 
 def _check_wandb(logger: DictConfig, cfg: DictConfig) -> None:
-    require(logger.mode in ("auto", "online", "offline", "disabled"),
-            f"logger.wandb.mode={logger.mode!r} is invalid: choose auto, online, offline or "
-            "disabled")  # fmt: skip
+    require(
+        logger.mode in ("auto", "online", "offline", "disabled"),
+        f"logger.wandb.mode={logger.mode!r} is invalid: choose auto, online, offline or disabled",
+    )
 
 
 Check = Callable[[DictConfig, DictConfig], None]  # (the group's node, the whole config)

@@ -62,8 +62,9 @@ class Stopped(Exception):
     """Every rank stopped at the same step on a signal; a checkpoint holds that step (when the
     ranks saved one and this process knows where)."""
 
-    def __init__(self, signal_name: str, step: int | None = None,
-                 checkpoint: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, signal_name: str, step: int | None = None, checkpoint: str | None = None
+    ) -> None:
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
         saved = f"saved {checkpoint}" if checkpoint else "nothing saved (checkpoint.final=false)"
         where = f" at step {step}; {saved}" if step is not None else ""
@@ -95,8 +96,13 @@ class JobFailed(CompactHydraException):
     the job's row in the sweep summary, and Hydra prints it once the sweep is over."""
 
 
-_PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                      "Connection refused", "connectFullMesh")  # fmt: skip
+_PEER_LOST_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "connectFullMesh",
+)
 _TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
 
 
@@ -127,12 +133,19 @@ def outcome_of(error: BaseException, rank: int = 0, timeout_s: float = 0.0) -> O
     if any(marker in text for marker in _PEER_LOST_MARKERS):
         return Outcome(ExitCode.PEER_LOST)
     if any(marker in text for marker in _TIMEOUT_MARKERS):
-        return Outcome(ExitCode.COLLECTIVE_TIMEOUT, (
-            f"error: rank {rank} waited dist.timeout_s={timeout_s:g} s in a collective without "
-            "an answer: another rank hung or died (raise dist.timeout_s if a step or a save "
-            "legitimately takes longer)"))  # fmt: skip
-    return Outcome(ExitCode.FAILED, f"rank {rank} failed:\n{traceback.format_exc()}",
-                   f"{type(error).__name__}: {error}")  # fmt: skip
+        return Outcome(
+            ExitCode.COLLECTIVE_TIMEOUT,
+            (
+                f"error: rank {rank} waited dist.timeout_s={timeout_s:g} s in a collective without "
+                "an answer: another rank hung or died (raise dist.timeout_s if a step or a save "
+                "legitimately takes longer)"
+            ),
+        )
+    return Outcome(
+        ExitCode.FAILED,
+        f"rank {rank} failed:\n{traceback.format_exc()}",
+        f"{type(error).__name__}: {error}",
+    )
 
 
 def announce(outcome: Outcome) -> None:
@@ -147,8 +160,11 @@ def end(error: BaseException, rank: int = 0) -> NoReturn:
     raise SystemExit(outcome.code) from None
 
 
-def root_cause(codes: list[int | None], victims: set[int] | frozenset = frozenset(),
-               messages: dict[int, str] | None = None) -> Exception | None:  # fmt: skip
+def root_cause(
+    codes: list[int | None],
+    victims: set[int] | frozenset = frozenset(),
+    messages: dict[int, str] | None = None,
+) -> Exception | None:
     """Every rank's exit code read back into nothing (all 0) or one exception naming the cause.
 
     Negative codes are deaths by signal (multiprocessing's convention). `victims` are ranks
@@ -161,8 +177,9 @@ def root_cause(codes: list[int | None], victims: set[int] | frozenset = frozense
     rejected = [rank for rank, code in causes if code == ExitCode.CONFIG_REJECTED]
     if rejected:
         said = [messages[rank] for rank in rejected if rank in messages]
-        return ConfigError(said[0] if said else "a rank rejected the config (see above)",
-                           reported=True)  # fmt: skip
+        return ConfigError(
+            said[0] if said else "a rank rejected the config (see above)", reported=True
+        )
     stops = (ExitCode.STOPPED, ExitCode.INTERRUPTED)
     stopped = [code for _, code in causes if code in stops]
     if stopped and all(code in (*stops, 0) for _, code in causes):
@@ -176,8 +193,9 @@ def root_cause(codes: list[int | None], victims: set[int] | frozenset = frozense
     ):
         for rank, code in causes or list(enumerate(codes)):
             if wanted(code):
-                return WorkerFailed(f"rank {rank} {describe or _describe(code)}",
-                                    messages.get(rank))  # fmt: skip
+                return WorkerFailed(
+                    f"rank {rank} {describe or _describe(code)}", messages.get(rank)
+                )
     return None
 
 

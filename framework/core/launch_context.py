@@ -21,8 +21,15 @@ from typing import ClassVar
 
 # Derived rendezvous ports: 20000-32767, below Linux's ephemeral range (32768+).
 PORT_BASE, PORT_SPAN = 20000, 12768
-_LAUNCH_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "TORCHELASTIC_", "SLURM_",
-                    "SUBMITIT_")  # fmt: skip
+_LAUNCH_PREFIXES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_",
+    "GROUP_",
+    "TORCHELASTIC_",
+    "SLURM_",
+    "SUBMITIT_",
+)
 
 
 @dataclass(frozen=True)
@@ -89,8 +96,10 @@ class LaunchContext:
 
     def srun_step(self) -> tuple[int, int]:
         """(tasks, nodes) of the `srun` step this command is one task of; (1, 1) outside one."""
-        return (int(self.environ.get("SLURM_STEP_NUM_TASKS", "1")),
-                int(self.environ.get("SLURM_STEP_NUM_NODES", "1")))  # fmt: skip
+        return (
+            int(self.environ.get("SLURM_STEP_NUM_TASKS", "1")),
+            int(self.environ.get("SLURM_STEP_NUM_NODES", "1")),
+        )
 
 
 class Standalone(LaunchContext):
@@ -191,9 +200,11 @@ def detect(environ: Mapping[str, str]) -> LaunchContext:
 def current() -> LaunchContext:
     """This process's context, detected once per distinct set of launch variables (a launcher
     or a test may change them within one process)."""
-    launch_variables = tuple(sorted(
-        (name, value) for name, value in os.environ.items() if name.startswith(_LAUNCH_PREFIXES)
-    ))  # fmt: skip
+    launch_variables = tuple(
+        sorted(
+            (name, value) for name, value in os.environ.items() if name.startswith(_LAUNCH_PREFIXES)
+        )
+    )
     return _detect_cached(launch_variables)
 
 

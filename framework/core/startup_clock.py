@@ -49,6 +49,8 @@ def summary() -> str | None:
     if not marks:
         return None
     moments = sorted(marks.items(), key=lambda item: item[1])
-    phases = [f"{name} {end - start:.1f}" for (_, start), (name, end)
-              in zip(moments, moments[1:], strict=False)]  # fmt: skip
+    phases = [
+        f"{name} {end - start:.1f}"
+        for (_, start), (name, end) in zip(moments, moments[1:], strict=False)
+    ]
     return f"{moments[-1][1] - moments[0][1]:.1f} s to the first step ({', '.join(phases)})"

@@ -71,11 +71,16 @@ def warm_up_if_forking(argv: list[str]) -> None:
 def will_start_local_ranks(argv: list[str]) -> bool:
     """From the command line alone (before Hydra composes): does this command start ranks on
     this machine? Not for a submission to SLURM, one process, or a command that prints."""
-    if any(arg.startswith(("--cfg", "--help", "-h", "--info", "--hydra-help", "-c")) or
-           arg in ("--shell-completion", "-sc") for arg in argv):  # fmt: skip
+    if any(
+        arg.startswith(("--cfg", "--help", "-h", "--info", "--hydra-help", "-c"))
+        or arg in ("--shell-completion", "-sc")
+        for arg in argv
+    ):
         return False
-    return not any(arg in ("launcher=slurm", "launcher=slurm_local", "launcher.nproc_per_node=1")
-                   for arg in argv)  # fmt: skip
+    return not any(
+        arg in ("launcher=slurm", "launcher=slurm_local", "launcher.nproc_per_node=1")
+        for arg in argv
+    )
 
 
 class _LaunchersFd:
@@ -102,8 +107,9 @@ def launcher_context() -> tuple[dict[str, str], str, list[_LaunchersFd]]:
 def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
     """In the rank, first thing: the launcher's environment, working dir and output streams,
     plus what was set in this process since its fork (the elastic agent's variables)."""
-    set_since_fork = {name: value for name, value in os.environ.items()
-                      if _SERVER_ENVIRON.get(name) != value}  # fmt: skip
+    set_since_fork = {
+        name: value for name, value in os.environ.items() if _SERVER_ENVIRON.get(name) != value
+    }
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(set_since_fork)

@@ -99,17 +99,28 @@ def _forward_signals(names: list[str], pids: list[int]) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _local_worker(local_rank: int, cfg: DictConfig, run_dir: Path, port: int, nproc: int,
-                  environ: dict[str, str], cwd: str, stdio: list[int]) -> None:  # fmt: skip
+def _local_worker(
+    local_rank: int,
+    cfg: DictConfig,
+    run_dir: Path,
+    port: int,
+    nproc: int,
+    environ: dict[str, str],
+    cwd: str,
+    stdio: list[int],
+) -> None:
     forkserver.adopt(environ, cwd, stdio)
     startup_clock.mark("start ranks")
     # Imported in the rank (the fork server has it loaded): the launcher never needs it.
     from framework.launch.rank_process import run_worker
 
     env = DistEnv(
-        rank=local_rank, local_rank=local_rank, world_size=nproc, local_world_size=nproc,
+        rank=local_rank,
+        local_rank=local_rank,
+        world_size=nproc,
+        local_world_size=nproc,
         source="local",
-    )  # fmt: skip
+    )
     timeout = timedelta(seconds=cfg.dist.timeout_s)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     run_worker(cfg, run_dir, env, store)

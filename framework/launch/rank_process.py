@@ -16,8 +16,9 @@ from framework.launch.failure_store import tell_launcher
 from framework.run.assemble import run
 
 
-def run_worker(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None,
-               stop_exit_code: int | None = None) -> dict | None:  # fmt: skip
+def run_worker(
+    cfg: DictConfig, run_dir: Path, env: DistEnv, store=None, stop_exit_code: int | None = None
+) -> dict | None:
     """Run this rank and return its summary, or leave with the exit code its launcher reads
     (after a stop: stop_exit_code, if given)."""
     try:

@@ -21,9 +21,11 @@ def check_cluster(launcher: DictConfig) -> None:
             "cluster, or try the same job on this machine with launcher=slurm_local"
         )
     listing = subprocess.run(
-        ["sinfo", "--all", "--noheader", "--format=%P"], capture_output=True, text=True,
+        ["sinfo", "--all", "--noheader", "--format=%P"],
+        capture_output=True,
+        text=True,
         timeout=60,
-    )  # fmt: skip
+    )
     if listing.returncode != 0:
         raise ConfigError(
             f"launcher=slurm: `sinfo` failed ({listing.stderr.strip() or listing.returncode}): "
@@ -37,8 +39,9 @@ def check_cluster(launcher: DictConfig) -> None:
             "launcher.partition is not set and this cluster has no default partition: set "
             f"launcher.partition to one of {', '.join(partitions) or '(none listed by sinfo)'}"
         )
-    unknown = [name for name in str(launcher.partition or "").split(",") if name
-               and name not in partitions]  # fmt: skip  (sbatch takes a list: a,b)
+    unknown = [
+        name for name in str(launcher.partition or "").split(",") if name and name not in partitions
+    ]  # sbatch takes a list: a,b
     if unknown:
         raise ConfigError(
             f"launcher.partition={launcher.partition}: {', '.join(unknown)} does not exist on "

@@ -75,10 +75,10 @@ def run_task(cfg: DictConfig, run_dir: Path) -> dict | None:
             exit_now(outcome.code)
         failure = {
             ExitCode.PEER_LOST: "rank 0 lost contact with the other ranks: see their logs "
-                                "(.submitit/)",
+            "(.submitit/)",
             ExitCode.COLLECTIVE_TIMEOUT: f"rank 0 timed out in a collective (dist.timeout_s="
-                                         f"{cfg.dist.timeout_s:g}): another rank hung or died",
-        }.get(outcome.code, f"rank 0 failed: {type(error).__name__}: {error}")  # fmt: skip
+            f"{cfg.dist.timeout_s:g}): another rank hung or died",
+        }.get(outcome.code, f"rank 0 failed: {type(error).__name__}: {error}")
     # submitit still writes the JobReturn; then leave without the interpreter's shutdown.
     atexit.register(exit_now, ExitCode.FAILED)
     raise JobFailed(failure)

@@ -65,8 +65,9 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         shutil.rmtree(agent_logs, ignore_errors=True)
 
 
-def _elastic_worker(cfg: DictConfig, run_dir: Path, environ: dict[str, str], cwd: str,
-                    stdio: list[int]) -> None:  # fmt: skip
+def _elastic_worker(
+    cfg: DictConfig, run_dir: Path, environ: dict[str, str], cwd: str, stdio: list[int]
+) -> None:
     forkserver.adopt(environ, cwd, stdio)
     here = launch_context.current()
     if here.restarted():  # the launcher's marks are those of the first round

@@ -92,16 +92,28 @@ def run(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, A
         requests.uninstall()
 
 
-def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, backend: str,
-           requests: StopRequests) -> dict[str, Any] | None:  # fmt: skip
+def _train(
+    cfg: DictConfig,
+    run: RunDir,
+    env: DistEnv,
+    device: torch.device,
+    backend: str,
+    requests: StopRequests,
+) -> dict[str, Any] | None:
     t = cfg.trainer
     global_batch_size = cfg.data.batch_size * env.world_size * t.grad_accum
     log.info(
         "world_size=%d backend=%s device=%s | global batch %d = %d per rank x %d ranks x %d "
         "accumulation steps | run dir %s",
-        env.world_size, backend, device.type, global_batch_size, cfg.data.batch_size,
-        env.world_size, t.grad_accum, run.path,
-    )  # fmt: skip
+        env.world_size,
+        backend,
+        device.type,
+        global_batch_size,
+        cfg.data.batch_size,
+        env.world_size,
+        t.grad_accum,
+        run.path,
+    )
     seed_everything(t.seed)  # same seed on every rank: identical initial weights
     log.info("Instantiating task <%s>", cfg.task._target_)
     task = instantiate(cfg.task)
@@ -128,30 +140,45 @@ def _train(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device, bac
     if resumed and is_complete(resumed[1], total_steps) and run.summary.exists():
         log.info(
             "%s is complete at step %d (%s): nothing to do; raise trainer.max_steps or "
-            "trainer.max_epochs to train further", run.path, resumed[1]["step"],
+            "trainer.max_epochs to train further",
+            run.path,
+            resumed[1]["step"],
             resumed[1]["trainer"].get("stopped_early") or f"the planned {total_steps} steps",
-        )  # fmt: skip
+        )
         return run.read_summary() if env.is_main else None
     if env.is_main:
         accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
-    sink = build_sink(env.is_main, cfg.logger, run, record,
-                      resume_ids=resumed[1]["logger_ids"] if resumed else {},
-                      resume_step=resumed[1]["step"] if resumed else 0)  # fmt: skip
+    sink = build_sink(
+        env.is_main,
+        cfg.logger,
+        run,
+        record,
+        resume_ids=resumed[1]["logger_ids"] if resumed else {},
+        resume_step=resumed[1]["step"] if resumed else 0,
+    )
     checkpointer.logger_ids = sink.run_ids
     try:
         runner = Runner(
-            env=env, device=device, trainer=SimpleNamespace(**OmegaConf.to_container(t)),
-            task=task, model=model, loaders=loaders, optimization=optimization, sink=sink,
-            checkpointer=checkpointer, stop_requests=requests,
+            env=env,
+            device=device,
+            trainer=SimpleNamespace(**OmegaConf.to_container(t)),
+            task=task,
+            model=model,
+            loaders=loaders,
+            optimization=optimization,
+            sink=sink,
+            checkpointer=checkpointer,
+            stop_requests=requests,
             control_group=host_group(env, backend),
             monitor=resolve_monitor(cfg.objective, task.directions()),
             profile_dir=run.path / "profile",
-        )  # fmt: skip
+        )
         if resumed:
             path, payload = resumed
             runner.load_checkpoint(path, payload)
-            log.info("resumed from %s at step %d (epoch %d)", path, runner.state.step,
-                     runner.state.epoch)  # fmt: skip
+            log.info(
+                "resumed from %s at step %d (epoch %d)", path, runner.state.step, runner.state.epoch
+            )
         startup_clock.mark("setup")
         summary = runner.fit()
         objective, direction = resolve_objective(cfg.objective, task.directions())
@@ -176,42 +203,76 @@ def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
 
 # Settings that change which examples or weights an evaluation sees; loader settings do not.
 EVAL_MUST_MATCH = ("task.", "model.", "data.")
-EVAL_MAY_DIFFER = ("data.batch_size", "data.eval_batch_size", "data.num_workers",
-                   "data.pin_memory", "data.persistent_workers", "data.shuffle",
-                   "data.drop_last", "data.root", "data.download")  # fmt: skip
+EVAL_MAY_DIFFER = (
+    "data.batch_size",
+    "data.eval_batch_size",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.persistent_workers",
+    "data.shuffle",
+    "data.drop_last",
+    "data.root",
+    "data.download",
+)
 
 
-def evaluate_checkpoint(cfg: DictConfig, run: RunDir, env: DistEnv, device: torch.device,
-                        task: Task, loaders: Loaders, model: Model) -> dict[str, Any] | None:
+def evaluate_checkpoint(
+    cfg: DictConfig,
+    run: RunDir,
+    env: DistEnv,
+    device: torch.device,
+    task: Task,
+    loaders: Loaders,
+    model: Model,
+) -> dict[str, Any] | None:
     """mode=eval: the checkpoint's weights (its EMA's with trainer.ema_decay) on eval.split,
     reduced exactly over the ranks, into this run dir (inside the checkpoint's run dir)."""
     split = cfg.eval.split
     loader = loaders.val if split == "val" else loaders.test
     if loader is None:
-        raise ConfigError(f"eval.split=test: data={cfg.data._target_} has no test split here "
-                          "(set data.test_fraction, for the data options that have one)")
+        raise ConfigError(
+            f"eval.split=test: data={cfg.data._target_} has no test split here "
+            "(set data.test_fraction, for the data options that have one)"
+        )
     path = Path(cfg.checkpoint.resume).expanduser()
     payload = read_checkpoint(path)
     _check_same_experiment(path, payload, redacted_container(cfg))
     evaluated = model.ema.module if model.ema is not None and payload["ema"] else model.module
-    check_model_keys(path, payload["ema" if evaluated is not model.module else "model"],
-                     evaluated)  # fmt: skip
+    check_model_keys(path, payload["ema" if evaluated is not model.module else "model"], evaluated)
     evaluated.load_state_dict(payload["ema" if evaluated is not model.module else "model"])
     precision = instantiate(cfg.precision)(device=device)
-    metrics = evaluate(task, evaluated, loader, precision,
-                       lambda batch: to_device(batch, device, cfg.trainer.channels_last), split)
+    metrics = evaluate(
+        task,
+        evaluated,
+        loader,
+        precision,
+        lambda batch: to_device(batch, device, cfg.trainer.channels_last),
+        split,
+    )
     if not env.is_main:
         return None
     name, direction = resolve_objective(cfg.objective, task.directions())
-    summary = {"mode": "eval", "checkpoint": str(path.resolve()), "step": payload["step"],
-               "split": split, **metrics, "world_size": env.world_size,
-               "objective": name.replace("val/", f"{split}/", 1),
-               "objective_direction": direction}  # fmt: skip
+    summary = {
+        "mode": "eval",
+        "checkpoint": str(path.resolve()),
+        "step": payload["step"],
+        "split": split,
+        **metrics,
+        "world_size": env.world_size,
+        "objective": name.replace("val/", f"{split}/", 1),
+        "objective_direction": direction,
+    }
     run.save_config(redacted_container(cfg))
     run.summary.write_text(json.dumps(summary, indent=2) + "\n")
     values = " ".join(f"{key}={value:.4f}" for key, value in metrics.items())
-    log.info("done: evaluated %s (step %d) on %s: %s run_dir=%s", path, payload["step"], split,
-             values, run.path)  # fmt: skip
+    log.info(
+        "done: evaluated %s (step %d) on %s: %s run_dir=%s",
+        path,
+        payload["step"],
+        split,
+        values,
+        run.path,
+    )
     return summary
 
 
@@ -220,30 +281,50 @@ def _check_same_experiment(path: Path, payload: dict[str, Any], record: dict[str
     named, with the overrides the run was started with (its .hydra/overrides.yaml)."""
     now = training_settings(record)
     differing = sorted(
-        key for key in payload["config"].keys() | now.keys()
-        if key.startswith(EVAL_MUST_MATCH) and not key.startswith(EVAL_MAY_DIFFER)
+        key
+        for key in payload["config"].keys() | now.keys()
+        if key.startswith(EVAL_MUST_MATCH)
+        and not key.startswith(EVAL_MAY_DIFFER)
         and payload["config"].get(key) != now.get(key)
-    )  # fmt: skip
+    )
     if not differing:
         return
-    shown = "; ".join(f"{key}: {payload['config'].get(key, '(absent)')} in the checkpoint, "
-                      f"{now.get(key, '(absent)')} now" for key in differing[:4])  # fmt: skip
-    overrides = next((folder / ".hydra" / "overrides.yaml" for folder in path.resolve().parents
-                      if (folder / ".hydra" / "overrides.yaml").exists()), None)  # fmt: skip
-    started = (f" (the run was started with: {' '.join(OmegaConf.load(overrides))})"
-               if overrides is not None else "")  # fmt: skip
-    raise CheckpointError(f"{path} was trained with other task, model or data settings: "
-                          f"{shown}. Evaluate with the training command's settings{started}")
+    shown = "; ".join(
+        f"{key}: {payload['config'].get(key, '(absent)')} in the checkpoint, "
+        f"{now.get(key, '(absent)')} now"
+        for key in differing[:4]
+    )
+    overrides = next(
+        (
+            folder / ".hydra" / "overrides.yaml"
+            for folder in path.resolve().parents
+            if (folder / ".hydra" / "overrides.yaml").exists()
+        ),
+        None,
+    )
+    started = (
+        f" (the run was started with: {' '.join(OmegaConf.load(overrides))})"
+        if overrides is not None
+        else ""
+    )
+    raise CheckpointError(
+        f"{path} was trained with other task, model or data settings: "
+        f"{shown}. Evaluate with the training command's settings{started}"
+    )
 
 
 def final_line(summary: dict[str, Any], task: Task, run: RunDir) -> str:
     """The objective first, then the task's other metrics, then how the run went."""
-    names = [summary["objective"], *(name for name in task.directions()
-                                     if name != summary["objective"]),
-             *(name for name in summary if name.startswith("test/") and name != "test/weights")]
+    names = [
+        summary["objective"],
+        *(name for name in task.directions() if name != summary["objective"]),
+        *(name for name in summary if name.startswith("test/") and name != "test/weights"),
+    ]
     metrics = " ".join(f"{name}={summary[name]:.4f}" for name in names)
-    return (f"{metrics} steps={summary['steps']} samples/s={summary['samples_per_s']:.0f} "
-            f"wall={summary['wall_s']:.1f}s run_dir={run.path}")  # fmt: skip
+    return (
+        f"{metrics} steps={summary['steps']} samples/s={summary['samples_per_s']:.0f} "
+        f"wall={summary['wall_s']:.1f}s run_dir={run.path}"
+    )
 
 
 def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:
@@ -252,8 +333,9 @@ def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:
     # A resume, or a restart (torchrun, SLURM requeue) that found no checkpoint: from 0.
     dropped = run.trim_metrics(kept_step)
     if dropped:
-        log.info("metrics.jsonl: %d events after step %d dropped; they are re-run", dropped,
-                 kept_step)  # fmt: skip
+        log.info(
+            "metrics.jsonl: %d events after step %d dropped; they are re-run", dropped, kept_step
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -262,8 +344,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_data(cfg: DictConfig, env: DistEnv, device: torch.device,
-               global_batch_size: int) -> tuple[Splits, Loaders]:  # fmt: skip
+def build_data(
+    cfg: DictConfig, env: DistEnv, device: torch.device, global_batch_size: int
+) -> tuple[Splits, Loaders]:
     log.info("Instantiating data <%s>", cfg.data._target_)
     splits = instantiate(cfg.data, collate_fn=None)  # the loaders' collate_fn is built below
     collate_node = cfg.data.get("collate_fn")
@@ -289,8 +372,9 @@ def preserved_rng() -> Iterator[None]:
 
 
 @torch.no_grad()
-def check_task(task: Task, module: torch.nn.Module, splits: Splits, loaders: Loaders,
-               device: torch.device) -> None:  # fmt: skip
+def check_task(
+    task: Task, module: torch.nn.Module, splits: Splits, loaders: Loaders, device: torch.device
+) -> None:
     """The task on a real training batch, before anything is written: a task that cannot read
     the data, or a model whose outputs do not fit it, is a ConfigError naming the fix (every
     rank sees the same batch and raises alike). Eval mode and saved RNG: training is unchanged."""
@@ -301,8 +385,14 @@ def check_task(task: Task, module: torch.nn.Module, splits: Splits, loaders: Loa
     module.train()
 
 
-def write_artifacts(task: Task, model: torch.nn.Module, splits: Splits, loaders: Loaders,
-                    device: torch.device, run: RunDir) -> list[Path]:
+def write_artifacts(
+    task: Task,
+    model: torch.nn.Module,
+    splits: Splits,
+    loaders: Loaders,
+    device: torch.device,
+    run: RunDir,
+) -> list[Path]:
     """What the task makes from the trained model (pictures, text), into the run dir."""
     batch = first_batch(splits.val, loaders.val.batch_size, loaders.val.collate_fn)
     model.eval()
@@ -335,8 +425,14 @@ def build_model(cfg: DictConfig, env: DistEnv, device: torch.device) -> Model:
     return Model(train, module, EMA(module, t.ema_decay) if t.ema_decay is not None else None)
 
 
-def build_optimization(cfg: DictConfig, env: DistEnv, device: torch.device, model: Model,
-                       global_batch_size: int, total_steps: int) -> Optimization:  # fmt: skip
+def build_optimization(
+    cfg: DictConfig,
+    env: DistEnv,
+    device: torch.device,
+    model: Model,
+    global_batch_size: int,
+    total_steps: int,
+) -> Optimization:
     """Precision, the DDP comm hook (registered on the model), optimizer and schedule."""
     precision = instantiate(cfg.precision)(device=device)
     comm = instantiate(cfg.comm)(env=env)

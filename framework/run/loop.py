@@ -143,13 +143,19 @@ class Runner:
         self.rng = _RNGStreams()
         self.position = _LoaderPosition(loaders.train.generator)
         self.shared: dict[str, Stateful | None] = {
-            "model": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler,
-            "precision": self.precision, "ema": self.ema, "trainer": self.state,
-        }  # fmt: skip
+            "model": self.module,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "precision": self.precision,
+            "ema": self.ema,
+            "trainer": self.state,
+        }
         self.per_rank: dict[str, Stateful] = {
-            "rng": self.rng, "loader_generator": self.position, "comm": self.comm,
+            "rng": self.rng,
+            "loader_generator": self.position,
+            "comm": self.comm,
             "window": self.window,
-        }  # fmt: skip
+        }
 
     # --- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -197,8 +203,11 @@ class Runner:
                 if self.logs_at(self.state.step):
                     self.log_train(window, lr)
                 # The last step's evaluation is the final one, after the final save.
-                if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0 and \
-                        not self.finished():  # fmt: skip
+                if (
+                    self.cfg.eval_every
+                    and self.state.step % self.cfg.eval_every == 0
+                    and not self.finished()
+                ):
                     window.pause()
                     self.after_evaluation(self.log_eval(), periodic=True)
                     window.resume()
@@ -224,8 +233,10 @@ class Runner:
     def _epoch_batches(self) -> Iterator:
         """This epoch's loader iterator, starting where the (resumed) run stands in it."""
         done_in_epoch = self.state.step - self.state.epoch * self.steps_per_epoch
-        self.train_sampler.set_epoch(self.state.epoch, skip=done_in_epoch * self.cfg.grad_accum
-                                     * self.train_loader.batch_size)  # fmt: skip
+        self.train_sampler.set_epoch(
+            self.state.epoch,
+            skip=done_in_epoch * self.cfg.grad_accum * self.train_loader.batch_size,
+        )
         self.position.start_epoch()  # iter() below draws from the loader's generator
         batches = iter(self.train_loader)
         # After iter(): building the iterator must not consume the restored streams.
@@ -244,8 +255,7 @@ class Runner:
             self.model.train()
         counts = [self.task.count(batch) for batch in micro_batches]
         scale = self._per_item(counts)
-        totals = torch.zeros(2 + len(self.task.train_sums), dtype=torch.float64,
-                             device=self.device)  # fmt: skip
+        totals = torch.zeros(2 + len(self.task.train_sums), dtype=torch.float64, device=self.device)
         last = len(micro_batches) - 1
         for index, batch in enumerate(micro_batches):
             batch = self.to_device(batch)
@@ -263,8 +273,7 @@ class Runner:
         agreed_signal = self.signals.exchange(step, logging=self.logs_at(step))
         found_inf = self._grads_found_inf()
         applied = self._apply_update(found_inf)
-        self.watch.add(step, totals, found_inf,
-                       dropped=None if applied is None else ~applied)  # fmt: skip
+        self.watch.add(step, totals, found_inf, dropped=None if applied is None else ~applied)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.samples_seen += self.global_batch_size
@@ -346,8 +355,14 @@ class Runner:
 
     def evaluate(self, loader: DataLoader | None = None, split: str = "val") -> dict[str, float]:
         """The task's metrics over a whole split (`split/<metric>`), exact on any world size."""
-        return evaluate(self.task, self.evaluated_model(), loader or self.val_loader,
-                        self.precision, self.to_device, split)  # fmt: skip
+        return evaluate(
+            self.task,
+            self.evaluated_model(),
+            loader or self.val_loader,
+            self.precision,
+            self.to_device,
+            split,
+        )
 
     def final_evaluation(self) -> dict[str, float]:
         """The end's evaluation; the last periodic one if it was at this very step (early
@@ -370,14 +385,18 @@ class Runner:
         worst = self.state.best[-1][0] if len(self.state.best) >= keep > 0 else None
         if keep and (worst is None or self._better(score, worst, 0.0)):
             self.save_checkpoint(best=(score, self.maximize))
-            ranked = sorted([*self.state.best, [score, self.state.step]], reverse=self.maximize,
-                            key=lambda entry: entry[0])  # fmt: skip
+            ranked = sorted(
+                [*self.state.best, [score, self.state.step]],
+                reverse=self.maximize,
+                key=lambda entry: entry[0],
+            )
             self.state.best = ranked[:keep]
         stopping = self.cfg.early_stopping
         if not periodic or stopping["patience"] is None:
             return
-        if self.state.best_score is None or self._better(score, self.state.best_score,
-                                                         stopping["min_delta"]):  # fmt: skip
+        if self.state.best_score is None or self._better(
+            score, self.state.best_score, stopping["min_delta"]
+        ):
             self.state.best_score, self.state.stale_evaluations = score, 0
             return
         self.state.stale_evaluations += 1
@@ -402,8 +421,14 @@ class Runner:
             target.load_state_dict(payload["ema" if self.ema is not None else "model"])
         metrics = self.evaluate(self.test_loader, split="test")
         source = f"best checkpoint ({best.resolve().name})" if best else "final weights"
-        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics,
-                       "test/weights": source})  # fmt: skip
+        self.sink.log(
+            {
+                "step": self.state.step,
+                "epoch": self.epochs_done(),
+                **metrics,
+                "test/weights": source,
+            }
+        )
         return {**metrics, "test/weights": source}
 
     def evaluated_model(self) -> nn.Module:
@@ -415,8 +440,10 @@ class Runner:
         # The window's sums over all ranks ride on the look's all-reduce: the logging step's
         # one collective and one read of the device.
         loss, count, *sums = self.look_for_nonfinite(rider=window.totals)
-        per_item = {f"train/{name}": value / max(count, 1)
-                    for name, value in zip(self.task.train_sums, sums, strict=True)}  # fmt: skip
+        per_item = {
+            f"train/{name}": value / max(count, 1)
+            for name, value in zip(self.task.train_sums, sums, strict=True)
+        }
         steps, seconds = window.steps, window.close()
         self.state.train_seconds += seconds
         event = {
@@ -443,8 +470,10 @@ class Runner:
         self.look_for_nonfinite()
 
         def shared() -> dict[str, Any]:  # built on rank 0 only
-            states = {key: None if item is None else item.state_dict()
-                      for key, item in self.shared.items()}  # fmt: skip
+            states = {
+                key: None if item is None else item.state_dict()
+                for key, item in self.shared.items()
+            }
             return {**states, "steps_per_epoch": self.steps_per_epoch}
 
         per_rank = {key: item.state_dict() for key, item in self.per_rank.items()}
@@ -472,8 +501,11 @@ class Runner:
         dist.all_gather(checksums, checksum)
         # Close, not bit-equal: ranks on different GPU models may round differently. NaN
         # weights (a run that trained through non-finite steps) compare equal to NaN.
-        differing = [rank for rank, other in enumerate(checksums) if not torch.allclose(
-            other, checksums[0], rtol=1e-5, atol=1e-8, equal_nan=True)]  # fmt: skip
+        differing = [
+            rank
+            for rank, other in enumerate(checksums)
+            if not torch.allclose(other, checksums[0], rtol=1e-5, atol=1e-8, equal_nan=True)
+        ]
         if differing:
             raise ReplicasDiverged(
                 f"after step {self.state.step} the weights of rank(s) {differing} differ from "
@@ -605,8 +637,14 @@ class _LoaderPosition:
 
 
 @torch.no_grad()
-def evaluate(task: Task, model: nn.Module, loader: DataLoader, precision: Precision,
-             to_device: Callable[[Any], Any], split: str = "val") -> dict[str, float]:
+def evaluate(
+    task: Task,
+    model: nn.Module,
+    loader: DataLoader,
+    precision: Precision,
+    to_device: Callable[[Any], Any],
+    split: str = "val",
+) -> dict[str, float]:
     """The task's metrics over a whole split: every rank adds up the task's sum states over its
     shard (no padding, no duplicates) on the device, then one all-reduce of all of them."""
     model.eval()
@@ -617,8 +655,9 @@ def evaluate(task: Task, model: nn.Module, loader: DataLoader, precision: Precis
         batch = to_device(batch)
         with precision.forward_context():
             states = task.evaluate(model, batch)
-        totals += torch.stack([torch.as_tensor(states[name], device=device).double()
-                               for name in names])  # fmt: skip
+        totals += torch.stack(
+            [torch.as_tensor(states[name], device=device).double() for name in names]
+        )
     reduced = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
     return {f"{split}/{name}": value for name, value in task.compute(reduced).items()}
 

@@ -38,11 +38,18 @@ def _pyplot():
 def _panels(events: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     """(title, keys) per panel: the losses together, then one panel per other metric (its
     training and validation values together)."""
-    keys = sorted({key for event in events for key in event
-                   if key.startswith(("train/", "val/")) and key not in NOT_PLOTTED})  # fmt: skip
+    keys = sorted(
+        {
+            key
+            for event in events
+            for key in event
+            if key.startswith(("train/", "val/")) and key not in NOT_PLOTTED
+        }
+    )
     names = sorted({key.split("/", 1)[1] for key in keys}, key=lambda n: (n != "loss", n))
-    return [(name, [key for key in (f"train/{name}", f"val/{name}") if key in keys])
-            for name in names]  # fmt: skip
+    return [
+        (name, [key for key in (f"train/{name}", f"val/{name}") if key in keys]) for name in names
+    ]
 
 
 def plot_run(run_dir: Path) -> Path | None:
@@ -70,8 +77,13 @@ def draw_curves(events: list[dict[str, Any]], title: str):
             label = "train (mean over ranks)" if key.startswith("train/") else "validation"
             ax.plot(steps, values, "o-" if len(steps) < 30 else "-", label=label)
             if len(steps) == 1:  # one evaluation (trainer.eval_every=0): say its value
-                ax.annotate(f"{label} {values[0]:.4g}", (steps[0], values[0]),
-                            textcoords="offset points", xytext=(-6, 8), ha="right")  # fmt: skip
+                ax.annotate(
+                    f"{label} {values[0]:.4g}",
+                    (steps[0], values[0]),
+                    textcoords="offset points",
+                    xytext=(-6, 8),
+                    ha="right",
+                )
         ax.set(xlabel="optimizer step", ylabel=name, title=name)
         ax.legend(fontsize="small")
     figure.suptitle(title)
@@ -89,19 +101,19 @@ def save_image_grid(images: Any, path: Path, columns: int = 16) -> Path:
     grid = images.new_ones(channels, rows * (height + 1) + 1, columns * (width + 1) + 1) * 0.5
     for index, image in enumerate(images):
         top, left = 1 + (index // columns) * (height + 1), 1 + (index % columns) * (width + 1)
-        grid[:, top:top + height, left:left + width] = image
+        grid[:, top : top + height, left : left + width] = image
     pixels = grid.permute(1, 2, 0).squeeze(-1).numpy()
     scale = max(1, 512 // grid.shape[2])
     plt.imsave(path, pixels.repeat(scale, 0).repeat(scale, 1), cmap="gray", vmin=0, vmax=1)
     return path
 
 
-def plot_sweep(sweep_dir: Path, jobs: list[tuple[str, Path, float]],
-               objective: str) -> Path | None:  # fmt: skip
+def plot_sweep(sweep_dir: Path, jobs: list[tuple[str, Path, float]], objective: str) -> Path | None:
     """sweep.png: every job's training loss against the step, and its final objective.
     `jobs`: (label, run dir, final objective) of each completed job."""
-    runs = [(label, events, final) for label, run_dir, final in jobs
-            if (events := _events(run_dir))]  # fmt: skip
+    runs = [
+        (label, events, final) for label, run_dir, final in jobs if (events := _events(run_dir))
+    ]
     if not runs:
         return None
     plt = _pyplot()

@@ -98,8 +98,9 @@ class SignalExchange:
     EVERY_S = 0.25  # seconds between two exchanges, when steps are shorter than that
     MAX_APART = 64  # steps
 
-    def __init__(self, env: DistEnv, requests: StopRequests,
-                 group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, env: DistEnv, requests: StopRequests, group: dist.ProcessGroup | None = None
+    ) -> None:
         self.env, self.requests, self.group = env, requests, group
         # [the signal each rank received..., the steps to the next exchange (rank 0's pick)]
         self.buffers = [torch.zeros(env.world_size + 1, dtype=torch.int32) for _ in range(2)]
@@ -123,8 +124,11 @@ class SignalExchange:
             flags[self.env.rank] = getattr(signal, name)
         if self.env.rank == 0:
             flags[-1] = self._proposed_spacing(step)
-        work = (dist.all_reduce(flags, group=self.group, async_op=True) if self.env.distributed
-                else None)  # fmt: skip
+        work = (
+            dist.all_reduce(flags, group=self.group, async_op=True)
+            if self.env.distributed
+            else None
+        )
         self.pending = (work, flags)
         self.next_step = step + self.apart
         return agreed
@@ -184,8 +188,13 @@ class NonFiniteWatch:
         self._none_found = torch.zeros((), device=device)
         self._kept = torch.tensor(False, device=device)
 
-    def add(self, step: int, loss: torch.Tensor, found_inf: torch.Tensor | None,
-            dropped: torch.Tensor | None) -> None:  # fmt: skip
+    def add(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        found_inf: torch.Tensor | None,
+        dropped: torch.Tensor | None,
+    ) -> None:
         """Step `step` (1-based): its loss (a tensor of the same shape at every step, the loss
         first), the gradient check's flag (1.0: inf/NaN; None: not checked) and whether its
         update was dropped (None: never). Kept as they are: no device op, no host read."""
@@ -212,8 +221,9 @@ class NonFiniteWatch:
         any_bad = bad.any()
         first = torch.argmax(bad.to(torch.int8))  # the first maximum's index
         last = len(steps) - 1 - torch.argmax(bad.flip(0).to(torch.int8))
-        at_first = torch.stack((steps[first], steps[last], loss_bad[first].long(),
-                                grads_bad[first].long()))  # fmt: skip
+        at_first = torch.stack(
+            (steps[first], steps[last], loss_bad[first].long(), grads_bad[first].long())
+        )
         return torch.cat((torch.where(any_bad, at_first, 0), dropped.long().sum().view(1)))
 
     @staticmethod
@@ -229,8 +239,9 @@ class NonFiniteWatch:
         """Collective (every rank at the same step): what happened since the last look."""
         return self.look_carrying(None)[0]
 
-    def look_carrying(self, rider: torch.Tensor | None) -> tuple[NonFiniteReport | None,
-                                                                 list[float]]:  # fmt: skip
+    def look_carrying(
+        self, rider: torch.Tensor | None
+    ) -> tuple[NonFiniteReport | None, list[float]]:
         """look(), with `rider` (a float64 tensor, e.g. a logging step's loss sums) summed over
         the ranks in the same all-reduce: on a busy machine each blocking collective costs
         milliseconds, and a logging step needs both. Returns the report and the summed rider.
@@ -240,12 +251,14 @@ class NonFiniteWatch:
         mine, world = self.env.rank * self.FIELDS, self.env.world_size * self.FIELDS
         extra = 0 if rider is None else rider.numel()
         payload = torch.zeros(world + extra, dtype=torch.float64, device=record.device)
-        payload[mine:mine + self.FIELDS] = record
+        payload[mine : mine + self.FIELDS] = record
         if rider is not None:
             payload[world:] = rider
         values = (all_reduce_sum(payload) if self.env.distributed else payload).tolist()
-        rows = [[int(value) for value in values[start:start + self.FIELDS]]
-                for start in range(0, world, self.FIELDS)]  # fmt: skip
+        rows = [
+            [int(value) for value in values[start : start + self.FIELDS]]
+            for start in range(0, world, self.FIELDS)
+        ]
         return self._report(rows), values[world:]
 
     @staticmethod
@@ -272,8 +285,9 @@ class NonFinitePolicy:
     def __init__(self, policy: str) -> None:
         self.stops = policy == "stop"
 
-    def handle(self, report: NonFiniteReport, epoch_of: Callable[[int], int],
-               last_checkpoint: Path | None) -> None:  # fmt: skip
+    def handle(
+        self, report: NonFiniteReport, epoch_of: Callable[[int], int], last_checkpoint: Path | None
+    ) -> None:
         """Raise NonFiniteLoss (stop) or warn (skip)."""
         if report.loss_ranks:
             what = f"loss on rank(s) {', '.join(map(str, report.loss_ranks))}"
@@ -283,13 +297,23 @@ class NonFinitePolicy:
         if not report.gradients:
             where += " with finite gradients (that update was applied)"
         if self.stops:
-            saved = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
-                     else "no checkpoint was saved")  # fmt: skip
+            saved = (
+                f"the last good checkpoint is {last_checkpoint}"
+                if last_checkpoint
+                else "no checkpoint was saved"
+            )
             raise NonFiniteLoss(
                 f"{where}: stopped without saving; {saved}. Lower optimizer.lr, set "
                 "trainer.clip_grad_norm, or set trainer.on_nonfinite=skip to skip such steps"
             )
-        more = (f"; {report.dropped} updates dropped in steps {report.step}-{report.last_step}"
-                if report.dropped > 1 else "")  # fmt: skip
-        log.warning("%s: %s (trainer.on_nonfinite=skip)%s", where,
-                    "update skipped" if report.gradients else "continuing", more)  # fmt: skip
+        more = (
+            f"; {report.dropped} updates dropped in steps {report.step}-{report.last_step}"
+            if report.dropped > 1
+            else ""
+        )
+        log.warning(
+            "%s: %s (trainer.on_nonfinite=skip)%s",
+            where,
+            "update skipped" if report.gradients else "continuing",
+            more,
+        )

@@ -40,12 +40,28 @@ STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
 # Settings a resumed run may change: they do not alter what the next step computes.
 RESUMABLE_CHANGES = (
-    "trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
-    "trainer.progress_bar", "trainer.on_nonfinite", "trainer.stop_signals", "checkpoint",
-    "logger", "launcher", "dist.timeout_s", "data.num_workers", "data.pin_memory",
-    "data.persistent_workers", "data.eval_batch_size", "data.root", "data.download",
-    "allowed_targets", "objective", "trainer.compile", "trainer.channels_last",
-)  # fmt: skip
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.progress_bar",
+    "trainer.on_nonfinite",
+    "trainer.stop_signals",
+    "checkpoint",
+    "logger",
+    "launcher",
+    "dist.timeout_s",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.persistent_workers",
+    "data.eval_batch_size",
+    "data.root",
+    "data.download",
+    "allowed_targets",
+    "objective",
+    "trainer.compile",
+    "trainer.channels_last",
+)
 
 
 # --- what a checkpoint must match ----------------------------------------------------------
@@ -86,6 +102,7 @@ def settings_differences(payload: Mapping, settings: Mapping[str, str]) -> list[
 def _shorten(items: list[str], limit: int = 6) -> str:
     more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
     return "; ".join(items[:limit]) + more
+
 
 def check_model_keys(path: Path, saved: Mapping[str, torch.Tensor], model: torch.nn.Module) -> None:
     """One error listing every mismatched key, instead of load_state_dict's first failure."""
@@ -180,8 +197,13 @@ def _save(directory: Path, step: int, payload: dict[str, Any], **sidecar: Any) -
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:08d}.pt"
     atomic_write(path, lambda file: torch.save(payload, file))
-    record = {"format": FORMAT, "step": step, "bytes": path.stat().st_size,
-              "sha256": _sha256(path), **sidecar}  # fmt: skip
+    record = {
+        "format": FORMAT,
+        "step": step,
+        "bytes": path.stat().st_size,
+        "sha256": _sha256(path),
+        **sidecar,
+    }
     atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps(record).encode()))
     return path
 
@@ -208,14 +230,17 @@ def write(directory: Path, step: int, payload: dict[str, Any], keep: int) -> Pat
     return path
 
 
-def write_best(directory: Path, step: int, payload: dict[str, Any], score: float,
-               maximize: bool, keep: int) -> Path:  # fmt: skip
+def write_best(
+    directory: Path, step: int, payload: dict[str, Any], score: float, maximize: bool, keep: int
+) -> Path:
     """Save into <directory>/best/ with its score, keep the `keep` best, and point best.pt at
     the best of them."""
     path = _save(directory / "best", step, payload, score=score)
-    ranked = sorted(step_files(directory / "best"), reverse=maximize,
-                    key=lambda found: json.loads(found[1].with_suffix(".json").read_text())
-                    ["score"])  # fmt: skip
+    ranked = sorted(
+        step_files(directory / "best"),
+        reverse=maximize,
+        key=lambda found: json.loads(found[1].with_suffix(".json").read_text())["score"],
+    )
     for _, worse in ranked[keep:]:
         _drop(worse)
     _point(directory / "best.pt", f"best/{ranked[0][1].name}")
@@ -281,8 +306,13 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, step: int, shared: Callable[[], dict[str, Any]], rank_state: dict,
-             best: tuple[float, bool] | None = None) -> Path:  # fmt: skip
+    def save(
+        self,
+        step: int,
+        shared: Callable[[], dict[str, Any]],
+        rank_state: dict,
+        best: tuple[float, bool] | None = None,
+    ) -> Path:
         """Collective: every rank calls it at the same step; only rank 0 writes. `best`:
         (score, maximize) saves among the best checkpoints (checkpoint.best) instead."""
         states = _gather_to_main(rank_state, self.env)
@@ -336,8 +366,9 @@ class Checkpointer:
                 "run in a new hydra.run.dir"
             )
         if differences and self.env.is_main:  # an explicit path: the user asked for this one
-            log.warning("continuing from %s with changed settings: %s", choice,
-                        _shorten(differences))  # fmt: skip
+            log.warning(
+                "continuing from %s with changed settings: %s", choice, _shorten(differences)
+            )
         return choice, payload
 
     def _choose(self) -> tuple[Path | None, dict[str, Any] | None]:

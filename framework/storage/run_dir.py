@@ -80,10 +80,13 @@ class RunDir:
         if not self.holds_run() or self.continues(cfg):
             return
         where, fix = (
-            (str(self.path), "Choose a new hydra.sweep.dir") if sweep_job else
-            (f"hydra.run.dir={self.path}", "Choose a new hydra.run.dir (or leave it unset for a "
-                                           "fresh timestamped dir)")
-        )  # fmt: skip
+            (str(self.path), "Choose a new hydra.sweep.dir")
+            if sweep_job
+            else (
+                f"hydra.run.dir={self.path}",
+                "Choose a new hydra.run.dir (or leave it unset for a fresh timestamped dir)",
+            )
+        )
         raise ConfigError(
             f"{where} already holds a run with no checkpoint to continue from (or "
             f"checkpoint.resume=never); it is left untouched. {fix}"

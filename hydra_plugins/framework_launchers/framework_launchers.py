@@ -51,8 +51,17 @@ POLL_S = 1.0  # how often the submitting process looks for a job's result
 STATE_POLL_S = 5.0  # how often it asks the scheduler about the job
 RESULT_GRACE_S = 20.0  # a job that left the queue may still show its result this late
 # SLURM job states after which no result will come (a requeued job goes back to PENDING).
-ENDED_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-                "OUT_OF_MEMORY", "TIMEOUT", "SPECIAL_EXIT"}  # fmt: skip
+ENDED_STATES = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "TIMEOUT",
+    "SPECIAL_EXIT",
+}
 
 
 def _summary(config: Any):
@@ -95,8 +104,15 @@ class _SubmititSweep:
         arguments = []
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
-            arguments.append((list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}",
-                              Singleton.get_state()))  # fmt: skip
+            arguments.append(
+                (
+                    list(overrides),
+                    "hydra.sweep.dir",
+                    num,
+                    f"job_id_for_{num}",
+                    Singleton.get_state(),
+                )
+            )
         submitted_at = time.time()
         try:
             jobs = self._executor().map_array(self, *zip(*arguments, strict=True))
@@ -106,8 +122,9 @@ class _SubmititSweep:
             log.info("job %s: %s", job.job_id, " ".join(filter_overrides(overrides)))
         returns = []
         for num, job in enumerate(jobs, start=initial_job_idx):
-            returns.append(self._result(job, num, arguments[num - initial_job_idx][0],
-                                        submitted_at))  # fmt: skip
+            returns.append(
+                self._result(job, num, arguments[num - initial_job_idx][0], submitted_at)
+            )
             self.summary.add(num, returns[-1:])  # row by row: the table grows as jobs end
         return returns
 
@@ -128,19 +145,30 @@ class _SubmititSweep:
             if outcome is not None and ended_at is not None:
                 return self._as_return(num, overrides, outcome, job, rank0)
             if ended_at is not None and time.monotonic() - ended_at > RESULT_GRACE_S:
-                return self._failed(num, overrides, JobFailed(
-                    f"{self._EXECUTOR} job {job.job_id} ended without a result ({state}); "
-                    f"its log: {rank0.paths.stderr}"))  # fmt: skip
+                return self._failed(
+                    num,
+                    overrides,
+                    JobFailed(
+                        f"{self._EXECUTOR} job {job.job_id} ended without a result ({state}); "
+                        f"its log: {rank0.paths.stderr}"
+                    ),
+                )
             time.sleep(POLL_S)
 
-    def _as_return(self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
-                   ) -> JobReturn:  # fmt: skip
+    def _as_return(
+        self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
+    ) -> JobReturn:
         kind, value = outcome
         if kind == "success":
             return value  # Hydra's JobReturn, status FAILED
         lines = str(value).strip().splitlines() or [repr(value)]  # the task raised outside Hydra
-        return self._failed(num, overrides, JobFailed(
-            f"{self._EXECUTOR} job {job.job_id}: {lines[-1]} (log: {rank0.paths.stderr})"))
+        return self._failed(
+            num,
+            overrides,
+            JobFailed(
+                f"{self._EXECUTOR} job {job.job_id}: {lines[-1]} (log: {rank0.paths.stderr})"
+            ),
+        )
 
     def _executor(self) -> Any:
         import submitit
@@ -149,13 +177,18 @@ class _SubmititSweep:
         # executors as they are, the others prefixed with the executor's name.
         params = dict(self.params)
         folder = params.pop("submitit_folder")
-        init = {f"{self._EXECUTOR}_max_num_timeout": params.pop("max_num_timeout")} \
-            if "max_num_timeout" in params else {}  # fmt: skip
+        init = (
+            {f"{self._EXECUTOR}_max_num_timeout": params.pop("max_num_timeout")}
+            if "max_num_timeout" in params
+            else {}
+        )
         executor = submitit.AutoExecutor(folder=folder, cluster=self._EXECUTOR, **init)
         shared = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(
-            **{key if key in shared else f"{self._EXECUTOR}_{key}": value
-               for key, value in params.items()}  # fmt: skip
+            **{
+                key if key in shared else f"{self._EXECUTOR}_{key}": value
+                for key, value in params.items()
+            }
         )
         return executor
 
@@ -184,8 +217,10 @@ class SubmititSlurmLauncher(_SubmititSweep, SlurmLauncher):
         try:
             listing = subprocess.run(
                 ["squeue", "--noheader", "--states=all", "--format=%T", f"--jobs={job.job_id}"],
-                capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         except (subprocess.TimeoutExpired, OSError):
             return "UNKNOWN"  # slurmctld busy or unreachable: ask again later
         states = listing.stdout.split()
@@ -233,12 +268,15 @@ class SubmititLocalConf(LocalQueueConf):
 
 
 _store = ConfigStore.instance()
-_store.store(group="hydra/launcher", name="framework_basic", node=SweepLauncherConf,
-             provider="framework")  # fmt: skip
-_store.store(group="hydra/launcher", name="framework_slurm", node=SubmititSlurmConf,
-             provider="framework")  # fmt: skip
-_store.store(group="hydra/launcher", name="framework_local", node=SubmititLocalConf,
-             provider="framework")  # fmt: skip
+_store.store(
+    group="hydra/launcher", name="framework_basic", node=SweepLauncherConf, provider="framework"
+)
+_store.store(
+    group="hydra/launcher", name="framework_slurm", node=SubmititSlurmConf, provider="framework"
+)
+_store.store(
+    group="hydra/launcher", name="framework_local", node=SubmititLocalConf, provider="framework"
+)
 
 
 class UserConfigPath(SearchPathPlugin):

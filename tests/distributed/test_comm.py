@@ -67,8 +67,14 @@ def test_fp16_and_bf16_compression_stay_within_their_precision_of_allreduce(name
 
 
 def test_powersgd_at_full_rank_reproduces_allreduce_across_several_buckets():
-    exact = {"name": "powersgd", "rank": 1000, "start_iter": 0, "min_compression_rate": 0.0,
-             "error_feedback": False, "warm_start": False}  # fmt: skip
+    exact = {
+        "name": "powersgd",
+        "rank": 1000,
+        "start_iter": 0,
+        "min_compression_rate": 0.0,
+        "error_feedback": False,
+        "warm_start": False,
+    }
     spawn_ranks(check_close_to_allreduce, exact, 1e-4, 1e-6, 0.01)  # 0.01 MB: 3+ buckets
 
 
@@ -104,8 +110,10 @@ def skipped_amp_step_leaves_powersgd_state_finite(rank, world_size):
     assert all(torch.isfinite(q).all() for q in comm.q_memory.values())
     step(poison=False)
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), params_before,
-                                                                 strict=True))  # fmt: skip
+    assert any(
+        not torch.equal(p.detach(), b)
+        for p, b in zip(model.parameters(), params_before, strict=True)
+    )
 
 
 def test_an_amp_step_skipped_for_inf_does_not_poison_powersgd_error_feedback():
@@ -175,7 +183,8 @@ def resnet18_accounting(rank, world_size, results):
             ddp(inputs).sum().backward()
             if _ == 0:
                 assert comm.metrics()["comm/bytes_per_step"] == 4 * sum(
-                    p.numel() for p in model.parameters())  # fmt: skip
+                    p.numel() for p in model.parameters()
+                )
         if rank == 0:
             results[approximation_rank] = comm.metrics()
 

@@ -34,15 +34,21 @@ def test_two_ranks_at_batch_b_match_one_rank_at_batch_2b(tmp_path):
 
 
 def test_grad_accumulation_matches_the_larger_batch(tmp_path):
-    _, accum = run(tmp_path, "accum", "launcher.nproc_per_node=1", "data.batch_size=8",
-                   "trainer.grad_accum=2")  # fmt: skip
+    _, accum = run(
+        tmp_path, "accum", "launcher.nproc_per_node=1", "data.batch_size=8", "trainer.grad_accum=2"
+    )
     _, big = run(tmp_path, "big", "launcher.nproc_per_node=1", "data.batch_size=16")
     torch.testing.assert_close(accum, big, rtol=1e-5, atol=0)
 
 
 def test_two_rank_accumulation_matches_one_rank_batch_4b(tmp_path):
-    _, ddp = run(tmp_path, "ddp_accum", "launcher.nproc_per_node=2", "data.batch_size=4",
-                 "trainer.grad_accum=2")  # fmt: skip
+    _, ddp = run(
+        tmp_path,
+        "ddp_accum",
+        "launcher.nproc_per_node=2",
+        "data.batch_size=4",
+        "trainer.grad_accum=2",
+    )
     _, big = run(tmp_path, "big", "launcher.nproc_per_node=1", "data.batch_size=16")
     torch.testing.assert_close(ddp, big, rtol=1e-5, atol=0)
 
@@ -59,16 +65,26 @@ def test_two_rank_evaluation_equals_one_rank_on_an_odd_sized_val_set(tmp_path):
 def test_same_seed_same_world_size_gives_identical_losses(tmp_path):
     overrides = (*PARITY, "model=cnn", "trainer.max_steps=8")
     seeds = {"a": 0, "b": 0, "c": 1}
-    train_many([(make_cfg(*overrides, f"trainer.seed={seed}"), tmp_path / name)
-                for name, seed in seeds.items()])  # fmt: skip
+    train_many(
+        [
+            (make_cfg(*overrides, f"trainer.seed={seed}"), tmp_path / name)
+            for name, seed in seeds.items()
+        ]
+    )
     first, second, other_seed = (train_losses(tmp_path / name) for name in seeds)
     assert first == second
     assert other_seed != first
 
 
 def test_summary_and_metrics_have_the_contract_keys(tmp_path):
-    summary, _ = run(tmp_path, "ddp", "launcher.nproc_per_node=2", "data.batch_size=8",
-                     "trainer.grad_accum=2", "trainer.log_every=4")  # fmt: skip
+    summary, _ = run(
+        tmp_path,
+        "ddp",
+        "launcher.nproc_per_node=2",
+        "data.batch_size=8",
+        "trainer.grad_accum=2",
+        "trainer.log_every=4",
+    )
     events = read_metrics(tmp_path / "ddp")
     train_events = [e for e in events if "train/loss" in e]
     assert [e["step"] for e in train_events] == [4, 8, 12]
@@ -84,19 +100,30 @@ def test_summary_and_metrics_have_the_contract_keys(tmp_path):
 
 def test_ema_clipping_and_ddp_options_run_together(tmp_path):
     summary, losses = run(
-        tmp_path, "options", "model=resnet18", "data.image_size=8", "data.in_channels=3",
-        "launcher.nproc_per_node=2", "data.batch_size=4", "trainer.max_steps=3",
-        "trainer.ema_decay=0.9", "trainer.clip_grad_norm=1.0", "dist.ddp.bucket_cap_mb=1",
-        "dist.ddp.static_graph=true", "dist.ddp.gradient_as_bucket_view=false",
-        "data.num_workers=2", "data.persistent_workers=true",
-    )  # fmt: skip
+        tmp_path,
+        "options",
+        "model=resnet18",
+        "data.image_size=8",
+        "data.in_channels=3",
+        "launcher.nproc_per_node=2",
+        "data.batch_size=4",
+        "trainer.max_steps=3",
+        "trainer.ema_decay=0.9",
+        "trainer.clip_grad_norm=1.0",
+        "dist.ddp.bucket_cap_mb=1",
+        "dist.ddp.static_graph=true",
+        "dist.ddp.gradient_as_bucket_view=false",
+        "data.num_workers=2",
+        "data.persistent_workers=true",
+    )
     assert summary["steps"] == 3 and all(torch.isfinite(torch.tensor(losses)))
 
 
 def test_ema_changes_what_is_evaluated(tmp_path):
     plain, _ = run(tmp_path, "plain", "launcher.nproc_per_node=1", "data.batch_size=16")
-    ema, _ = run(tmp_path, "ema", "launcher.nproc_per_node=1", "data.batch_size=16",
-                 "trainer.ema_decay=0.5")  # fmt: skip
+    ema, _ = run(
+        tmp_path, "ema", "launcher.nproc_per_node=1", "data.batch_size=16", "trainer.ema_decay=0.5"
+    )
     assert ema["val/loss"] != plain["val/loss"]
 
 
@@ -105,13 +132,22 @@ def test_sync_batchnorm_on_cpu_is_refused_with_the_fix(tmp_path, capfd):
     from framework.core.exits import ConfigError
 
     with pytest.raises(ConfigError):
-        run(tmp_path, "sbn", "model=resnet18", "data.in_channels=3", "launcher.nproc_per_node=2",
-            "data.batch_size=4", "trainer.max_steps=1", "trainer.sync_batchnorm=true")  # fmt: skip
+        run(
+            tmp_path,
+            "sbn",
+            "model=resnet18",
+            "data.in_channels=3",
+            "launcher.nproc_per_node=2",
+            "data.batch_size=4",
+            "trainer.max_steps=1",
+            "trainer.sync_batchnorm=true",
+        )
     assert "trainer.sync_batchnorm=false" in capfd.readouterr().err
 
 
 def test_torchrun_launcher_starts_ranks_through_the_elastic_agent(tmp_path):
-    _, elastic = run(tmp_path, "elastic", "launcher=torchrun", "launcher.nproc_per_node=2",
-                     "data.batch_size=8")  # fmt: skip
+    _, elastic = run(
+        tmp_path, "elastic", "launcher=torchrun", "launcher.nproc_per_node=2", "data.batch_size=8"
+    )
     _, local = run(tmp_path, "local", "launcher.nproc_per_node=2", "data.batch_size=8")
     assert elastic == local

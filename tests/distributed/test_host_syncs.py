@@ -13,21 +13,50 @@ from tests.conftest import REPO, make_cfg, prepare_run, start_ranks
 from tests.sync_counting import watch_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-STEADY = ("trainer.max_steps=12", "trainer.log_every=1000", "trainer.eval_every=0",
-          "checkpoint.every=0", "checkpoint.final=false")  # fmt: skip
-TINY = ("data=synthetic", "data.in_channels=1", "data.image_size=8", "data.train_size=256",
-        "model=mlp", "model.hidden_sizes=[16]")  # fmt: skip
+STEADY = (
+    "trainer.max_steps=12",
+    "trainer.log_every=1000",
+    "trainer.eval_every=0",
+    "checkpoint.every=0",
+    "checkpoint.final=false",
+)
+TINY = (
+    "data=synthetic",
+    "data.in_channels=1",
+    "data.image_size=8",
+    "data.train_size=256",
+    "model=mlp",
+    "model.hidden_sizes=[16]",
+)
 CASES = {
     "fp32": (*TINY,),
-    "bf16-skip-ema-clip": (*TINY, "precision=bf16", "trainer.on_nonfinite=skip",
-                           "trainer.ema_decay=0.9", "trainer.clip_grad_norm=1.0"),
-    "amp-skip-powersgd": (*TINY, "precision=amp", "trainer.on_nonfinite=skip", "comm=powersgd",
-                          "comm.start_iter=2", "optimizer=adamw"),
+    "bf16-skip-ema-clip": (
+        *TINY,
+        "precision=bf16",
+        "trainer.on_nonfinite=skip",
+        "trainer.ema_decay=0.9",
+        "trainer.clip_grad_norm=1.0",
+    ),
+    "amp-skip-powersgd": (
+        *TINY,
+        "precision=amp",
+        "trainer.on_nonfinite=skip",
+        "comm=powersgd",
+        "comm.start_iter=2",
+        "optimizer=adamw",
+    ),
     "accumulation": (*TINY, "trainer.grad_accum=2", "data.batch_size=8"),
-    "padded-tokens": (f"hydra.searchpath=[file://{REPO / 'tests' / 'conf'}]", "data=ragged_text",
-                      "task=language_model", "model=gpt", "model.layers=1", "model.width=16",
-                      "model.heads=2", "task.sample_tokens=0"),
-}  # fmt: skip
+    "padded-tokens": (
+        f"hydra.searchpath=[file://{REPO / 'tests' / 'conf'}]",
+        "data=ragged_text",
+        "task=language_model",
+        "model=gpt",
+        "model.layers=1",
+        "model.width=16",
+        "model.heads=2",
+        "task.sample_tokens=0",
+    ),
+}
 
 
 def _count_in_rank(rank: int, world_size: int, port: int, jobs: list, found: dict) -> None:
@@ -38,8 +67,13 @@ def _count_in_rank(rank: int, world_size: int, port: int, jobs: list, found: dic
     from framework.run.loop import Runner
 
     torch.set_num_threads(1)
-    env = DistEnv(rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-                  source="local")  # fmt: skip
+    env = DistEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        source="local",
+    )
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     original = Runner.train_step
     for index, (name, cfg, run_dir) in enumerate(jobs):
@@ -85,5 +119,9 @@ def test_the_counter_sees_a_read_of_a_device_tensor():
         loss.item()
         loss.tolist()
         int(loss)
-    assert mode.reads == ["aten::_local_scalar_dense", "aten::_local_scalar_dense",
-                          "Tensor.tolist", "aten::_local_scalar_dense"]
+    assert mode.reads == [
+        "aten::_local_scalar_dense",
+        "aten::_local_scalar_dense",
+        "Tensor.tolist",
+        "aten::_local_scalar_dense",
+    ]

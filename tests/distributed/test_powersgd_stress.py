@@ -12,9 +12,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 def test_consecutive_resnet18_powersgd_runs_on_gloo_all_finish(tmp_path):
-    overrides = ("model=resnet18", "data=synthetic", "data.image_size=16", "data.batch_size=4",
-                 "data.train_size=512", "comm=powersgd", "comm.start_iter=2",
-                 "trainer.max_steps=12", "trainer.log_every=1")  # fmt: skip
+    overrides = (
+        "model=resnet18",
+        "data=synthetic",
+        "data.image_size=16",
+        "data.batch_size=4",
+        "data.train_size=512",
+        "comm=powersgd",
+        "comm.start_iter=2",
+        "trainer.max_steps=12",
+        "trainer.log_every=1",
+    )
     jobs = [(make_cfg(*overrides, f"trainer.seed={n}"), tmp_path / f"run{n}") for n in range(3)]
     summaries = train_many(jobs)
     for summary, (_, run_dir) in zip(summaries, jobs, strict=True):

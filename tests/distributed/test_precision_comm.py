@@ -18,20 +18,33 @@ COMBINATIONS = [(p, c) for p in PRECISIONS for c in COMMS]
 def combination_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("combinations")
     jobs = [
-        (make_cfg(*TINY, "model=cnn", "model.width=8", f"precision={precision}", f"comm={comm}",
-                  "trainer.max_steps=5", "trainer.clip_grad_norm=1.0", "data.batch_size=8",
-                  *(["comm.start_iter=2"] if comm == "powersgd" else [])),
-         root / f"{precision}-{comm}")
+        (
+            make_cfg(
+                *TINY,
+                "model=cnn",
+                "model.width=8",
+                f"precision={precision}",
+                f"comm={comm}",
+                "trainer.max_steps=5",
+                "trainer.clip_grad_norm=1.0",
+                "data.batch_size=8",
+                *(["comm.start_iter=2"] if comm == "powersgd" else []),
+            ),
+            root / f"{precision}-{comm}",
+        )
         for precision, comm in COMBINATIONS
-    ]  # fmt: skip
+    ]
     summaries = train_many(jobs)
-    return {combo: (summary, read_metrics(run_dir)) for combo, summary, (_, run_dir)
-            in zip(COMBINATIONS, summaries, jobs, strict=True)}  # fmt: skip
+    return {
+        combo: (summary, read_metrics(run_dir))
+        for combo, summary, (_, run_dir) in zip(COMBINATIONS, summaries, jobs, strict=True)
+    }
 
 
 @pytest.mark.parametrize(("precision", "comm"), COMBINATIONS)
-def test_every_precision_and_comm_combination_trains_on_two_cpu_ranks(combination_runs, precision,
-                                                                      comm):  # fmt: skip
+def test_every_precision_and_comm_combination_trains_on_two_cpu_ranks(
+    combination_runs, precision, comm
+):
     summary, events = combination_runs[(precision, comm)]
     train_events = [e for e in events if "train/loss" in e]
     assert summary["steps"] == 5 and summary["world_size"] == 2
@@ -51,8 +64,14 @@ SEEDS = (0, 1)  # one seed alone moves digits accuracy by one or two points (359
 # PowerSGD (rank 2) is about a point behind after 330 steps, at the margin: its seed-to-seed noise
 # decides, so it and its baseline get a third seed.
 SEEDS_OF = {"comm=allreduce": (0, 1, 2), "comm=powersgd": (0, 1, 2)}
-VARIANTS = ["comm=allreduce", "comm=fp16", "comm=bf16", "comm=powersgd", "precision=bf16",
-            "precision=amp"]  # fmt: skip
+VARIANTS = [
+    "comm=allreduce",
+    "comm=fp16",
+    "comm=bf16",
+    "comm=powersgd",
+    "precision=bf16",
+    "precision=amp",
+]
 # On a CPU without float16 arithmetic, fp16 convolutions run torch's slow reference kernels (an
 # amp run took 41 s here, fp32 4 s); in channels_last they take 26 s. The layout does not change
 # what is learned (test_speed_options).
@@ -63,10 +82,18 @@ def test_compressed_communication_and_every_precision_keep_digits_accuracy(tmp_p
     """The default digits experiment, same number of steps, mean over seeds."""
     # The full 15 epochs: at 10, PowerSGD (rank 2) is still 4 points behind (93% vs 97%).
     runs = [(variant, seed) for variant in VARIANTS for seed in SEEDS_OF.get(variant, SEEDS)]
-    jobs = [(make_cfg(variant, *ALONG_WITH.get(variant, ()), f"trainer.seed={seed}",
-                      "trainer.log_every=1000"),
-             tmp_path / f"{variant.replace('=', '-')}-{seed}")
-            for variant, seed in runs]  # fmt: skip
+    jobs = [
+        (
+            make_cfg(
+                variant,
+                *ALONG_WITH.get(variant, ()),
+                f"trainer.seed={seed}",
+                "trainer.log_every=1000",
+            ),
+            tmp_path / f"{variant.replace('=', '-')}-{seed}",
+        )
+        for variant, seed in runs
+    ]
     summaries = train_many(jobs)
     accuracy = {run: summary["val/accuracy"] for run, summary in zip(runs, summaries, strict=True)}
     baseline = "comm=allreduce"  # = fp32 with allreduce

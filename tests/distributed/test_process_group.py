@@ -49,21 +49,28 @@ def _look_carrying_window_sums(rank: int, world_size: int) -> None:
     watch = NonFiniteWatch(env, torch.device("cpu"))
     for step in (1, 2, 3):
         loss_sum = math.nan if (rank, step) == (1, 2) else 1.5 * (rank + 1)
-        watch.add(step, torch.tensor([loss_sum, 32.0], dtype=torch.float64), torch.tensor(0.0),
-                  None)  # fmt: skip
+        watch.add(
+            step, torch.tensor([loss_sum, 32.0], dtype=torch.float64), torch.tensor(0.0), None
+        )
     window = torch.tensor([10.0 * (rank + 1), 96.0, 2**40 + rank], dtype=torch.float64)
     collectives = []
     original = dist.all_reduce
-    dist.all_reduce = lambda tensor, *args, **kwargs: (collectives.append(tensor.numel()),
-                                                       original(tensor, *args, **kwargs))[1]
+    dist.all_reduce = lambda tensor, *args, **kwargs: (
+        collectives.append(tensor.numel()),
+        original(tensor, *args, **kwargs),
+    )[1]
     try:
         report, summed = watch.look_carrying(window)
     finally:
         dist.all_reduce = original
     assert collectives == [world_size * NonFiniteWatch.FIELDS + 3]  # one all-reduce, not two
     assert summed == [30.0, 192.0, 2.0**41 + 1]  # every rank's window, added exactly
-    assert (report.step, report.loss_ranks, report.gradients, report.last_step) == (2, [1], False,
-                                                                                    2)
+    assert (report.step, report.loss_ranks, report.gradients, report.last_step) == (
+        2,
+        [1],
+        False,
+        2,
+    )
     assert window.tolist() == [10.0 * (rank + 1), 96.0, 2**40 + rank]  # the rider is untouched
 
 

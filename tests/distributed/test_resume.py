@@ -45,8 +45,9 @@ def test_stopped_mid_epoch_by_a_signal_to_one_rank_then_resumed_is_bit_identical
     assert events_without_timing(run_dir) == events_without_timing(fault_references[comm])
 
 
-def test_a_killed_rank_loses_only_the_steps_since_the_last_checkpoint(fault_references, tmp_path,
-                                                                    monkeypatch):  # fmt: skip
+def test_a_killed_rank_loses_only_the_steps_since_the_last_checkpoint(
+    fault_references, tmp_path, monkeypatch
+):
     run_dir = tmp_path / "run"
     monkeypatch.setenv(FAULT_ENV, "kill:1:11")
     with pytest.raises(WorkerFailed, match="rank 1 was killed by SIGKILL"):
@@ -68,8 +69,12 @@ def test_nonfinite_skip_drops_that_update_on_every_rank_and_powersgd_memory_stay
 ):
     monkeypatch.setenv(FAULT_ENV, "nan:1:6")
     run_dir = tmp_path / "run"
-    summary = train_in_process(make_cfg(*FAULTS, *COMMS["powersgd"], "trainer.on_nonfinite=skip",
-                                        f"optimizer.fused={fused}"), run_dir)  # fmt: skip
+    summary = train_in_process(
+        make_cfg(
+            *FAULTS, *COMMS["powersgd"], "trainer.on_nonfinite=skip", f"optimizer.fused={fused}"
+        ),
+        run_dir,
+    )
     assert summary["steps"] == 30
     skipped = [e["train/nonfinite_skipped"] for e in read_metrics(run_dir) if "train/loss" in e]
     assert skipped[4] == 0 and skipped[5] == 1 and skipped[-1] == 1

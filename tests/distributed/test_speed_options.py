@@ -17,15 +17,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 def test_channels_last_and_compile_learn_what_the_eager_default_learns(tmp_path):
     base = (*TINY, "model=cnn", "model.width=8", "trainer.max_steps=6")
-    variants = {"eager": (), "channels_last": ("trainer.channels_last=true",),
-                "compile": ("trainer.compile=true",)}  # fmt: skip
+    variants = {
+        "eager": (),
+        "channels_last": ("trainer.channels_last=true",),
+        "compile": ("trainer.compile=true",),
+    }
     jobs = [(make_cfg(*base, *extra), tmp_path / name) for name, extra in variants.items()]
     summaries = dict(zip(variants, train_many(jobs), strict=True))
     eager = train_losses(tmp_path / "eager")
     for name in ("channels_last", "compile"):
         assert train_losses(tmp_path / name) == pytest.approx(eager, rel=1e-4), name
         assert summaries[name]["val/accuracy"] == pytest.approx(
-            summaries["eager"]["val/accuracy"], abs=0.02)
+            summaries["eager"]["val/accuracy"], abs=0.02
+        )
 
 
 class _ParentPids(Dataset):
@@ -76,11 +80,20 @@ def test_the_fork_server_leaves_without_an_interpreter_teardown_once_its_launche
     them waits for it; tearing down an interpreter with torch loaded took 1.3 s. Its atexit
     handlers run; what only the interpreter's teardown would finalize does not."""
     (tmp_path / "teardown_probe.py").write_text(TEARDOWN_PROBE)
-    env = {**os.environ, "PROBE_DIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}  # fmt: skip
+    env = {
+        **os.environ,
+        "PROBE_DIR": str(tmp_path),
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
+    }
     # Returns once every holder of the pipes (the script and its fork server) has exited.
-    result = subprocess.run([sys.executable, "-c", STARTS_A_SERVER], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", STARTS_A_SERVER],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "atexit").exists()
     assert not (tmp_path / "teardown").exists()

@@ -23,17 +23,46 @@ TESTS_CONF = f"hydra.searchpath=[file://{REPO / 'tests' / 'conf'}]"
 
 # Tiny versions of each task's preset: no dropout, no noise (DDP is exact without them).
 TASKS = {
-    "regression": ("task=regression", "model=ffn", "model.hidden_sizes=[16]", "data=diabetes",
-                   "data.val_fraction=0.21"),  # 93 validation samples
-    "language_model": ("task=language_model", "model=gpt", "model.layers=1", "model.width=32",
-                       "model.heads=2", "data=text", "data.block_size=16", "data.stride=512",
-                       "data.val_fraction=0.02", "task.sample_tokens=0"),
-    "autoencoder": ("task=autoencoder", "task.vae=true", "task.reconstruction=bce", "model=vae",
-                    "model.sample=false", "model.hidden_size=32", "model.latent_dim=4",
-                    "data=digits", "data.normalize=false", "data.val_fraction=0.19"),  # 341
-}  # fmt: skip
-COMMON = ("optimizer=adamw", "optimizer.lr=3e-3", "scheduler=constant", "trainer.max_epochs=null",
-          "trainer.max_steps=8", "trainer.log_every=1")  # fmt: skip
+    "regression": (
+        "task=regression",
+        "model=ffn",
+        "model.hidden_sizes=[16]",
+        "data=diabetes",
+        "data.val_fraction=0.21",
+    ),  # 93 validation samples
+    "language_model": (
+        "task=language_model",
+        "model=gpt",
+        "model.layers=1",
+        "model.width=32",
+        "model.heads=2",
+        "data=text",
+        "data.block_size=16",
+        "data.stride=512",
+        "data.val_fraction=0.02",
+        "task.sample_tokens=0",
+    ),
+    "autoencoder": (
+        "task=autoencoder",
+        "task.vae=true",
+        "task.reconstruction=bce",
+        "model=vae",
+        "model.sample=false",
+        "model.hidden_size=32",
+        "model.latent_dim=4",
+        "data=digits",
+        "data.normalize=false",
+        "data.val_fraction=0.19",
+    ),  # 341
+}
+COMMON = (
+    "optimizer=adamw",
+    "optimizer.lr=3e-3",
+    "scheduler=constant",
+    "trainer.max_epochs=null",
+    "trainer.max_steps=8",
+    "trainer.log_every=1",
+)
 
 
 def val_metrics(run_dir) -> dict[str, float]:
@@ -44,10 +73,16 @@ def val_metrics(run_dir) -> dict[str, float]:
 def parity_runs(tmp_path_factory):
     """Each task as 2 ranks x batch 4 and as 1 rank x batch 8."""
     root = tmp_path_factory.mktemp("parity")
-    two = [(make_cfg(*TASKS[name], *COMMON, "data.batch_size=4"), root / f"{name}-2")
-           for name in TASKS]  # fmt: skip
-    one = [(make_cfg(*TASKS[name], *COMMON, "data.batch_size=8", "launcher.nproc_per_node=1"),
-            root / f"{name}-1") for name in TASKS]  # fmt: skip
+    two = [
+        (make_cfg(*TASKS[name], *COMMON, "data.batch_size=4"), root / f"{name}-2") for name in TASKS
+    ]
+    one = [
+        (
+            make_cfg(*TASKS[name], *COMMON, "data.batch_size=8", "launcher.nproc_per_node=1"),
+            root / f"{name}-1",
+        )
+        for name in TASKS
+    ]
     train_many(two, world_size=2)
     train_many(one, world_size=1)
     return root
@@ -62,8 +97,7 @@ def test_two_ranks_at_batch_b_match_one_rank_at_batch_2b_for_every_task(parity_r
 
 
 @pytest.mark.parametrize("task", list(TASKS))
-def test_two_rank_evaluation_equals_one_rank_on_an_odd_sized_set_for_every_task(parity_runs,
-                                                                               task):  # fmt: skip
+def test_two_rank_evaluation_equals_one_rank_on_an_odd_sized_set_for_every_task(parity_runs, task):
     two, one = val_metrics(parity_runs / f"{task}-2"), val_metrics(parity_runs / f"{task}-1")
     assert two.keys() == one.keys() and len(two) >= 1
     for name in two:
@@ -77,9 +111,18 @@ def test_the_validation_sets_of_the_parity_runs_are_odd_sized():
         assert len(instantiate(make_cfg(*TASKS[name]).data).val) % 2 == 1, name
 
 
-RAGGED = (TESTS_CONF, "data=ragged_text", "task=language_model", "model=gpt", "model.layers=1",
-          "model.width=32", "model.heads=2", "task.sample_tokens=0", *COMMON,
-          "trainer.max_steps=6")  # fmt: skip
+RAGGED = (
+    TESTS_CONF,
+    "data=ragged_text",
+    "task=language_model",
+    "model=gpt",
+    "model.layers=1",
+    "model.width=32",
+    "model.heads=2",
+    "task.sample_tokens=0",
+    *COMMON,
+    "trainer.max_steps=6",
+)
 
 
 def test_padded_sequences_on_two_ranks_with_accumulation_give_one_big_batchs_losses(tmp_path):
@@ -88,24 +131,39 @@ def test_padded_sequences_on_two_ranks_with_accumulation_give_one_big_batchs_los
     weigh a token of a short batch up to 24 times more: tests/unit/test_tasks.py)."""
     jobs = [(make_cfg(*RAGGED, "data.batch_size=4", "trainer.grad_accum=2"), tmp_path / "two")]
     train_many(jobs, world_size=2)
-    one = [(make_cfg(*RAGGED, "data.batch_size=16", "launcher.nproc_per_node=1"),
-            tmp_path / "one")]  # fmt: skip
+    one = [(make_cfg(*RAGGED, "data.batch_size=16", "launcher.nproc_per_node=1"), tmp_path / "one")]
     train_many(one, world_size=1)
-    torch.testing.assert_close(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"),
-                               rtol=1e-5, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=1e-5, atol=0
+    )
     assert val_metrics(tmp_path / "two") == pytest.approx(val_metrics(tmp_path / "one"), rel=1e-5)
 
 
-CHAR_GPT = ("experiment=char_gpt", TESTS_CONF, "allowed_targets=[tests]",
-            "model._target_=tests.faults.FaultyGPT", "model.layers=1", "model.width=32",
-            "model.heads=2", "model.dropout=0.1", "data.block_size=16", "data.stride=256",
-            "data.val_fraction=0.02", "data.batch_size=4", "task.sample_tokens=0",
-            "trainer.max_epochs=null", "trainer.max_steps=24", "trainer.log_every=1",
-            "trainer.eval_every=0", "checkpoint.every=5")  # fmt: skip
+CHAR_GPT = (
+    "experiment=char_gpt",
+    TESTS_CONF,
+    "allowed_targets=[tests]",
+    "model._target_=tests.faults.FaultyGPT",
+    "model.layers=1",
+    "model.width=32",
+    "model.heads=2",
+    "model.dropout=0.1",
+    "data.block_size=16",
+    "data.stride=256",
+    "data.val_fraction=0.02",
+    "data.batch_size=4",
+    "task.sample_tokens=0",
+    "trainer.max_epochs=null",
+    "trainer.max_steps=24",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "checkpoint.every=5",
+)
 
 
-def test_char_gpt_stopped_mid_epoch_and_resumed_ends_with_bit_identical_weights(tmp_path,
-                                                                               monkeypatch):
+def test_char_gpt_stopped_mid_epoch_and_resumed_ends_with_bit_identical_weights(
+    tmp_path, monkeypatch
+):
     reference = tmp_path / "reference"
     train_in_process(make_cfg(*CHAR_GPT), reference)
     run_dir = tmp_path / "run"

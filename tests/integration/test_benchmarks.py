@@ -49,9 +49,11 @@ def test_pool_runs_plain_and_ours_on_the_same_work_and_names_a_failed_trial():
 
 
 def test_benchmarks_command_lists_the_benchmarks_and_rejects_unknown_ones():
-    listing = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=REPO,
-                             capture_output=True, text=True)  # fmt: skip
+    listing = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"], cwd=REPO, capture_output=True, text=True
+    )
     assert listing.returncode == 0 and "overhead" in listing.stdout and "comm" in listing.stdout
-    unknown = subprocess.run([sys.executable, "-m", "benchmarks", "nope"], cwd=REPO,
-                             capture_output=True, text=True)  # fmt: skip
+    unknown = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "nope"], cwd=REPO, capture_output=True, text=True
+    )
     assert unknown.returncode == 2

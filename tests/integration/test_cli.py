@@ -24,8 +24,9 @@ def run_dirs(root: Path) -> list[Path]:
 def test_default_experiment_reaches_95_percent_in_under_a_minute_and_only_rank_0_writes(tmp_path):
     train = Path(sys.executable).parent / "train"  # the console script from pyproject
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
-    result = subprocess.run([str(train)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [str(train)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = run_dirs(tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -40,7 +41,12 @@ def test_default_experiment_reaches_95_percent_in_under_a_minute_and_only_rank_0
     assert len(list(tmp_path.rglob("summary.json"))) == 1
     assert "[rank 1]" not in result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".hydra", "checkpoints", "config.yaml", "curves.png", "metrics.jsonl", "summary.json",
+        ".hydra",
+        "checkpoints",
+        "config.yaml",
+        "curves.png",
+        "metrics.jsonl",
+        "summary.json",
         "train.log",
     ]
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the curves
@@ -53,10 +59,23 @@ def test_default_experiment_reaches_95_percent_in_under_a_minute_and_only_rank_0
 def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(cli, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
     torchrun = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "framework.train", *QUICK],
-        cwd=tmp_path / ".." / tmp_path.name, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0",
+            "-m",
+            "framework.train",
+            *QUICK,
+        ],
+        cwd=tmp_path / ".." / tmp_path.name,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     [torchrun_dir] = run_dirs(tmp_path)  # one dir although both ranks entered the Hydra app
     assert not list(Path("/tmp").glob("framework-rank*"))  # rank 1's throwaway dir is gone
@@ -68,8 +87,12 @@ def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(cl
 
 
 def test_wandb_offline_makes_exactly_one_run_with_the_metrics(cli, tmp_path):
-    env = {"WANDB_MODE": None, "WANDB_API_KEY": None, "NETRC": str(tmp_path / "no-netrc"),
-           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}  # fmt: skip
+    env = {
+        "WANDB_MODE": None,
+        "WANDB_API_KEY": None,
+        "NETRC": str(tmp_path / "no-netrc"),
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+    }
     run_dir = tmp_path / "run"
     result = cli(*QUICK, "logger=wandb", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -82,8 +105,14 @@ def test_wandb_offline_makes_exactly_one_run_with_the_metrics(cli, tmp_path):
 
 
 def test_multirun_sweep_runs_each_job_in_its_own_dir(cli, tmp_path):
-    result = cli("-m", "optimizer.lr=0.1,0.05", "trainer.max_steps=3", "trainer.log_every=1",
-                     "launcher.nproc_per_node=1", cwd=tmp_path)  # fmt: skip
+    result = cli(
+        "-m",
+        "optimizer.lr=0.1,0.05",
+        "trainer.max_steps=3",
+        "trainer.log_every=1",
+        "launcher.nproc_per_node=1",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = sorted(tmp_path.glob("multirun/*/*/*/summary.json"))
     assert len(summaries) == 2
@@ -101,9 +130,15 @@ def cifar_root(tmp_path: Path) -> Path:
 def test_cifar10_experiment_trains_from_a_local_folder(cli, tmp_path):
     root = cifar_root(tmp_path)
     run_dir = tmp_path / "run"
-    result = cli("experiment=cifar10_resnet18", f"data.root={root}", "data.batch_size=4",
-                     "data.num_workers=0", "trainer.max_steps=2", f"hydra.run.dir={run_dir}",
-                     cwd=tmp_path)  # fmt: skip
+    result = cli(
+        "experiment=cifar10_resnet18",
+        f"data.root={root}",
+        "data.batch_size=4",
+        "data.num_workers=0",
+        "trainer.max_steps=2",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["global_batch_size"] == 8
@@ -129,8 +164,9 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize(("overrides", "expected"), BAD_INPUT, ids=lambda v: str(v))
-def test_bad_input_exits_nonzero_with_one_clear_message_and_no_run_dir(cli, tmp_path, overrides,
-                                                                       expected):  # fmt: skip
+def test_bad_input_exits_nonzero_with_one_clear_message_and_no_run_dir(
+    cli, tmp_path, overrides, expected
+):
     result = cli(*overrides, cwd=tmp_path)
     assert result.returncode == 2  # one code for every config mistake, Hydra's own included
     for text in expected:
@@ -145,8 +181,13 @@ def test_bad_input_exits_nonzero_with_one_clear_message_and_no_run_dir(cli, tmp_
 def test_an_existing_run_dir_without_checkpoints_is_refused_and_left_untouched(cli, tmp_path):
     """(One with checkpoints is resumed instead: tests/integration/test_faults.py.)"""
     run_dir = tmp_path / "run"
-    first = cli("trainer.max_steps=2", "launcher.nproc_per_node=1", f"hydra.run.dir={run_dir}",
-                    "checkpoint.final=false", cwd=tmp_path)  # fmt: skip
+    first = cli(
+        "trainer.max_steps=2",
+        "launcher.nproc_per_node=1",
+        f"hydra.run.dir={run_dir}",
+        "checkpoint.final=false",
+        cwd=tmp_path,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     second = cli("trainer.max_steps=5", f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -187,9 +228,16 @@ def test_every_train_command_in_the_readme_composes(overrides):
 def test_bring_your_own_model_and_dataset_through_target(cli, tmp_path):
     byo = Path(__file__).parent / "byo"
     run_dir = tmp_path / "run"
-    result = cli(f"hydra.searchpath=[file://{byo}]", "model=my_net", "data=my_data",
-                     "model.depth=3", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}",
-                     cwd=tmp_path, env={"PYTHONPATH": str(REPO)})  # fmt: skip
+    result = cli(
+        f"hydra.searchpath=[file://{byo}]",
+        "model=my_net",
+        "data=my_data",
+        "model.depth=3",
+        "trainer.max_epochs=2",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     config = (run_dir / "config.yaml").read_text()
     assert "TinyNet" in config and "depth: 3" in config

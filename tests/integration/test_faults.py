@@ -47,8 +47,14 @@ def torchrun_script(*args: str, cwd: Path, fault: str | None, timeout: float = 2
     env["PYTHONPATH"] = str(REPO)
     if fault:
         env[FAULT_ENV] = fault
-    return subprocess.run(["bash", str(REPO / "launchers" / "torchrun.sh"), *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(REPO / "launchers" / "torchrun.sh"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_torchrun_restarts_after_a_rank_is_sigkilled_and_ends_with_the_uninterrupted_weights(
@@ -103,8 +109,13 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_same_comma
 
 def test_a_signal_to_torchrun_reaches_the_ranks_which_save_and_leave_no_process_behind(tmp_path):
     run_dir = tmp_path / "run"
-    result = torchrun_script(*FAULTS, f"hydra.run.dir={run_dir}", "checkpoint.every=0",
-                             cwd=tmp_path, fault="parent-SIGUSR1:0:9")  # fmt: skip
+    result = torchrun_script(
+        *FAULTS,
+        f"hydra.run.dir={run_dir}",
+        "checkpoint.every=0",
+        cwd=tmp_path,
+        fault="parent-SIGUSR1:0:9",
+    )
     assert result.returncode != 0
     assert "stopped on SIGUSR1 at step" in result.stderr, result.stderr[-3000:]
     step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
@@ -113,12 +124,18 @@ def test_a_signal_to_torchrun_reaches_the_ranks_which_save_and_leave_no_process_
     assert not processes_mentioning(str(tmp_path))
 
 
-def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_message_and_no_process_left(cli,
+def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_message_and_no_process_left(
+    cli,
     tmp_path,
 ):
     started = time.monotonic()
-    result = cli(*FAULTS, f"hydra.run.dir={tmp_path / 'run'}", "dist.timeout_s=5",
-                     cwd=tmp_path, env={FAULT_ENV: "hang:1:3"})  # fmt: skip
+    result = cli(
+        *FAULTS,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "dist.timeout_s=5",
+        cwd=tmp_path,
+        env={FAULT_ENV: "hang:1:3"},
+    )
     seconds = time.monotonic() - started
     assert result.returncode == 1
     messages = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -133,8 +150,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_message_and_no_pro
 
 def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_saving_it(cli, tmp_path):
     run_dir = tmp_path / "run"
-    result = cli(*FAULTS, f"hydra.run.dir={run_dir}", cwd=tmp_path,
-                     env={FAULT_ENV: "nan:1:6"})  # fmt: skip
+    result = cli(*FAULTS, f"hydra.run.dir={run_dir}", cwd=tmp_path, env={FAULT_ENV: "nan:1:6"})
     assert result.returncode == 1
     assert "non-finite loss on rank(s) 1 at step 6 (epoch 1): stopped without saving" in (
         result.stderr
@@ -152,8 +168,12 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_path):
     env[FAULT_ENV] = "group-SIGINT:0:7"  # like a terminal: the launcher and every rank get it
     process = subprocess.Popen(
         [sys.executable, "-m", "framework.cli", *FAULTS, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == INTERRUPTED, stderr[-3000:]
     assert "stopped on SIGINT at step 8" in stderr
@@ -181,7 +201,8 @@ def test_a_finished_run_continues_only_with_a_larger_budget_and_refuses_other_se
     assert "Traceback" not in changed.stderr
     after = snapshot(run_dir)  # only train.log records the two attempts
     assert {k: v for k, v in after.items() if k != "train.log"} == {
-        k: v for k, v in before.items() if k != "train.log"}  # fmt: skip
+        k: v for k, v in before.items() if k != "train.log"
+    }
 
     longer = cli(*one_rank, "trainer.max_steps=12", cwd=tmp_path)
     assert longer.returncode == 0, longer.stderr[-3000:]
@@ -199,16 +220,22 @@ def test_an_explicit_checkpoint_that_is_broken_or_from_another_model_is_one_clea
     broken = tmp_path / "broken.pt"
     broken.write_bytes(good.read_bytes()[:1000])
 
-    result = cli(*one_rank, f"checkpoint.resume={broken}", f"hydra.run.dir={tmp_path / 'a'}",
-                     cwd=tmp_path)  # fmt: skip
+    result = cli(
+        *one_rank, f"checkpoint.resume={broken}", f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path
+    )
     assert result.returncode == 2
     assert f"error: checkpoint {broken} is unreadable (empty, truncated or corrupted" in (
         result.stderr
     )
     assert not (tmp_path / "a").exists()
 
-    result = cli(*one_rank, f"checkpoint.resume={good}", "model.hidden_sizes=[16]",
-                     f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)  # fmt: skip
+    result = cli(
+        *one_rank,
+        f"checkpoint.resume={good}",
+        "model.hidden_sizes=[16]",
+        f"hydra.run.dir={tmp_path / 'b'}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert "holds a different model (shape (checkpoint vs model): net.1.bias (32,) vs (16,)" in (
         result.stderr

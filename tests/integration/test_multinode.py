@@ -53,22 +53,48 @@ def test_torchrun_across_two_namespaces_trains_like_a_local_two_rank_job(
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
     # One thread per rank, as in the local reference (2 ranks sharing 2 cores): more threads
     # change the summation order of some kernels, and the losses in the 7th digit.
-    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", PYTHONPATH=str(REPO),
-               NNODES="2", NPROC="1", RDZV_ENDPOINT=f"{HOSTS['a']}:29555", RUN_ID="two-hosts",
-               MAX_RESTARTS="0", OMP_NUM_THREADS="1")  # fmt: skip
+    env.update(
+        PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
+        PYTHONPATH=str(REPO),
+        NNODES="2",
+        NPROC="1",
+        RDZV_ENDPOINT=f"{HOSTS['a']}:29555",
+        RUN_ID="two-hosts",
+        MAX_RESTARTS="0",
+        OMP_NUM_THREADS="1",
+    )
     nodes = []
     for host, namespace in two_hosts.items():
-        node_env = {**env, "LOCAL_ADDR": HOSTS[host], "GLOO_SOCKET_IFNAME": namespace,
-                    "RDZV_HOST": "1" if host == "a" else "0"}  # fmt: skip
-        nodes.append(subprocess.Popen(
-            ["ip", "netns", "exec", namespace, "bash", str(REPO / "launchers" / "torchrun.sh"),
-             *FAULTS], cwd=tmp_path, env=node_env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        node_env = {
+            **env,
+            "LOCAL_ADDR": HOSTS[host],
+            "GLOO_SOCKET_IFNAME": namespace,
+            "RDZV_HOST": "1" if host == "a" else "0",
+        }
+        nodes.append(
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    namespace,
+                    "bash",
+                    str(REPO / "launchers" / "torchrun.sh"),
+                    *FAULTS,
+                ],
+                cwd=tmp_path,
+                env=node_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     # One run dir, named by the rendezvous id; the ranks reached each other over the veth link.
     [run_dir] = [p.parent for p in tmp_path.glob("outputs/torchrun/two-hosts/config.yaml")]
     reference = fault_references["allreduce"]
     assert [e.get("train/loss") for e in read_metrics(run_dir)] == [
-        e.get("train/loss") for e in read_metrics(reference)]  # fmt: skip
+        e.get("train/loss") for e in read_metrics(reference)
+    ]
     assert_same_weights(final_weights(run_dir), final_weights(reference))

@@ -11,31 +11,54 @@ from omegaconf import OmegaConf
 from framework.config.redaction import REDACTED
 
 pytestmark = pytest.mark.slow
-TINY_RUN = ("launcher.nproc_per_node=1", "trainer.max_steps=3", "data=synthetic",
-            "data.train_size=64", "data.val_size=32", "data.in_channels=1",
-            "data.image_size=8")  # fmt: skip
+TINY_RUN = (
+    "launcher.nproc_per_node=1",
+    "trainer.max_steps=3",
+    "data=synthetic",
+    "data.train_size=64",
+    "data.val_size=32",
+    "data.in_channels=1",
+    "data.image_size=8",
+)
 TOKEN = "PLANTED-SECRET-123"  # a config key that looks like a secret, typed on the command line
 WANDB_KEY = "PLANTED-SECRET-456"  # the environment's WANDB_API_KEY
 ENV_SET_TOKEN = "PLANTED-SECRET-789"  # hydra.job.env_set.MY_TOKEN, a secret in Hydra's node
 
 # Each target would copy src.txt to `marker` or create it (paths relative to the run's cwd).
 REFUSED = [
-    (["+model.evil={_target_:builtins.open,file:marker,mode:w}"],
-     "model.evil._target_=builtins.open is not allowed"),
-    (["+hydra.callbacks.evil={_target_:shutil.copy,src:src.txt,dst:marker}"],
-     "hydra.callbacks.evil._target_=shutil.copy is not allowed"),
-    (["+data.evil={_target_:os.system,command:'touch marker'}"],
-     "data.evil._target_=os.system is not allowed"),
-    (["+hydra.hydra_logging.handlers.evil={\\(\\):shutil.copy,src:src.txt,dst:marker}"],
-     "hydra.hydra_logging.handlers.evil.()=shutil.copy is not allowed"),
-    (["+model.evil={_target_:torchvision.datasets.mnist.shutil.copy,src:src.txt,dst:marker}"],
-     "resolves to shutil.copy"),
-    (["-m", "optimizer.lr=0.1,0.05",
-      "+hydra.callbacks.evil={_target_:shutil.copy,src:src.txt,dst:marker}"],
-     "hydra.callbacks.evil._target_=shutil.copy is not allowed"),
-    (["allowed_targets=[builtins]", "+model.evil={_target_:builtins.open,file:marker,mode:w}"],
-     "allowed_targets cannot be set on the command line"),
-]  # fmt: skip
+    (
+        ["+model.evil={_target_:builtins.open,file:marker,mode:w}"],
+        "model.evil._target_=builtins.open is not allowed",
+    ),
+    (
+        ["+hydra.callbacks.evil={_target_:shutil.copy,src:src.txt,dst:marker}"],
+        "hydra.callbacks.evil._target_=shutil.copy is not allowed",
+    ),
+    (
+        ["+data.evil={_target_:os.system,command:'touch marker'}"],
+        "data.evil._target_=os.system is not allowed",
+    ),
+    (
+        ["+hydra.hydra_logging.handlers.evil={\\(\\):shutil.copy,src:src.txt,dst:marker}"],
+        "hydra.hydra_logging.handlers.evil.()=shutil.copy is not allowed",
+    ),
+    (
+        ["+model.evil={_target_:torchvision.datasets.mnist.shutil.copy,src:src.txt,dst:marker}"],
+        "resolves to shutil.copy",
+    ),
+    (
+        [
+            "-m",
+            "optimizer.lr=0.1,0.05",
+            "+hydra.callbacks.evil={_target_:shutil.copy,src:src.txt,dst:marker}",
+        ],
+        "hydra.callbacks.evil._target_=shutil.copy is not allowed",
+    ),
+    (
+        ["allowed_targets=[builtins]", "+model.evil={_target_:builtins.open,file:marker,mode:w}"],
+        "allowed_targets cannot be set on the command line",
+    ),
+]
 
 
 @pytest.mark.parametrize(("overrides", "expected"), REFUSED, ids=lambda v: str(v))
@@ -63,11 +86,20 @@ def assert_no_file_holds(root: Path, secrets: list[str]) -> None:
 
 def test_planted_secrets_reach_neither_the_run_dir_nor_wandb(cli, tmp_path):
     run_dir = tmp_path / "run"
-    env = {"WANDB_MODE": "offline", "WANDB_API_KEY": WANDB_KEY,
-           "NETRC": str(tmp_path / "no-netrc"),
-           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}  # fmt: skip
-    result = cli(f"+data.api_token={TOKEN}", "logger=wandb", *TINY_RUN,
-                     f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)  # fmt: skip
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_API_KEY": WANDB_KEY,
+        "NETRC": str(tmp_path / "no-netrc"),
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+    }
+    result = cli(
+        f"+data.api_token={TOKEN}",
+        "logger=wandb",
+        *TINY_RUN,
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for secret in (TOKEN, WANDB_KEY):
         assert secret not in result.stdout + result.stderr
@@ -75,7 +107,10 @@ def test_planted_secrets_reach_neither_the_run_dir_nor_wandb(cli, tmp_path):
     assert OmegaConf.load(run_dir / "config.yaml").data.api_token == REDACTED
     assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").data.api_token == REDACTED
     assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == [
-        "config.yaml", "hydra.yaml", "overrides.yaml"]  # fmt: skip
+        "config.yaml",
+        "hydra.yaml",
+        "overrides.yaml",
+    ]
     [history] = run_dir.glob("wandb/offline-run-*/*.wandb")
     assert REDACTED.encode() in history.read_bytes()  # W&B got the config, redacted
     assert (run_dir / "summary.json").exists() and (run_dir / "train.log").exists()
@@ -83,9 +118,15 @@ def test_planted_secrets_reach_neither_the_run_dir_nor_wandb(cli, tmp_path):
 
 
 def test_a_multirun_writes_no_secret_either(cli, tmp_path):
-    result = cli("-m", f"+data.api_token={TOKEN}",
-                     f"+hydra.job.env_set.MY_TOKEN={ENV_SET_TOKEN}", "optimizer.lr=0.1",
-                     *TINY_RUN, cwd=tmp_path, env={"WANDB_API_KEY": WANDB_KEY})  # fmt: skip
+    result = cli(
+        "-m",
+        f"+data.api_token={TOKEN}",
+        f"+hydra.job.env_set.MY_TOKEN={ENV_SET_TOKEN}",
+        "optimizer.lr=0.1",
+        *TINY_RUN,
+        cwd=tmp_path,
+        env={"WANDB_API_KEY": WANDB_KEY},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [sweep_dir] = tmp_path.glob("multirun/*/*")
     assert (sweep_dir / "multirun.yaml").exists() and (sweep_dir / "0" / "summary.json").exists()

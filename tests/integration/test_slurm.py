@@ -25,8 +25,9 @@ from tests.integration.test_sweeps import TINY_CLI, summary_rows, sweep_dir
 def _cluster_missing() -> str | None:
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return "no SLURM client on PATH (start one: launchers/slurm_cluster.sh start)"
-    state = subprocess.run(["sinfo", "--noheader", "--format=%t"], capture_output=True, text=True,
-                           timeout=30)  # fmt: skip
+    state = subprocess.run(
+        ["sinfo", "--noheader", "--format=%t"], capture_output=True, text=True, timeout=30
+    )
     if state.returncode != 0 or not {"idle", "mix", "alloc"} & set(state.stdout.split()):
         return f"no SLURM node is up (sinfo: {state.stdout.strip() or state.stderr.strip()})"
     return None
@@ -45,7 +46,9 @@ def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_with_the_losses_of_a_lo
     sweep = sweep_dir(tmp_path)
     rows = summary_rows(sweep)
     assert [(row["job"], row["status"], row["optimizer.lr"]) for row in rows] == [
-        ("0", "completed", "0.1"), ("1", "completed", "0.05")]  # fmt: skip
+        ("0", "completed", "0.1"),
+        ("1", "completed", "0.05"),
+    ]
     # One SLURM array job (<id>_<element>), two tasks per element, each task one rank.
     logs = sorted(path.name for path in sweep.glob(".submitit/*/*_log.err"))
     array_id = logs[0].split("_")[0]
@@ -113,8 +116,14 @@ def _sweep_in_background(tmp_path: Path, *overrides: str, env: dict[str, str | N
         else:
             full_env[name] = value
     command = [sys.executable, "-m", "framework.train", *SLURM, *FAULTS, *overrides]
-    process = subprocess.Popen(command, cwd=tmp_path, env=full_env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob("multirun/*/*/0")) and time.monotonic() < deadline:
@@ -163,8 +172,11 @@ def _rank0_log(sweep: Path) -> str:
 
 
 def _resumed_steps(sweep: Path) -> list[int]:
-    return [int(line.split(" at step ")[1].split()[0]) for line in _rank0_log(sweep).splitlines()
-            if "resumed from" in line]  # fmt: skip
+    return [
+        int(line.split(" at step ")[1].split()[0])
+        for line in _rank0_log(sweep).splitlines()
+        if "resumed from" in line
+    ]
 
 
 def test_a_job_out_of_time_outs_is_reported_failed_with_its_checkpoint_kept(tmp_path):
@@ -172,8 +184,9 @@ def test_a_job_out_of_time_outs_is_reported_failed_with_its_checkpoint_kept(tmp_
     submitit refuses to requeue, and the sweep reports the job failed instead of waiting."""
     env = {FAULT_ENV: "slow:0:1"}
     with _sweep_in_background(tmp_path, "launcher.max_num_timeout=0", env=env) as (
-        sweep_process, sweep,
-    ):  # fmt: skip
+        sweep_process,
+        sweep,
+    ):
         _wait_for_step(sweep / "0", 6, sweep_process, timeout=120)
         subprocess.run(["scancel", "--signal=USR2", _job_id(sweep)], check=True, timeout=30)
         _, stderr = sweep_process.communicate(timeout=300)

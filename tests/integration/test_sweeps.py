@@ -14,8 +14,15 @@ import yaml
 from tests.conftest import read_metrics
 
 pytestmark = pytest.mark.slow
-TINY_CLI = ("data=synthetic", "data.in_channels=1", "data.image_size=8", "data.train_size=256",
-            "data.val_size=101", "trainer.max_steps=3", "trainer.log_every=1")  # fmt: skip
+TINY_CLI = (
+    "data=synthetic",
+    "data.in_channels=1",
+    "data.image_size=8",
+    "data.train_size=256",
+    "data.val_size=101",
+    "trainer.max_steps=3",
+    "trainer.log_every=1",
+)
 OFFLINE_WANDB = {"WANDB_MODE": "offline", "WANDB_API_KEY": None}
 
 
@@ -41,8 +48,11 @@ def wandb_run_record(run_dir: Path):
         if room < 7:  # block trailer
             position += room
             continue
-        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
-        record += data[position + 7:position + 7 + length]
+        length, kind = (
+            int.from_bytes(data[position + 4 : position + 6], "little"),
+            data[position + 6],
+        )
+        record += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             parsed = pb.Record()
@@ -53,11 +63,19 @@ def wandb_run_record(run_dir: Path):
     raise AssertionError(f"no run record in {log_file}")
 
 
-def test_a_sweep_runs_each_job_as_a_ddp_group_in_its_own_dir_with_a_summary_and_one_wandb_group(cli,
+def test_a_sweep_runs_each_job_as_a_ddp_group_in_its_own_dir_with_a_summary_and_one_wandb_group(
+    cli,
     tmp_path,
 ):
-    result = cli("-m", "optimizer.lr=0.1,0.05", "comm=allreduce,powersgd", *TINY_CLI,
-                     "logger=wandb", cwd=tmp_path, env=OFFLINE_WANDB)  # fmt: skip
+    result = cli(
+        "-m",
+        "optimizer.lr=0.1,0.05",
+        "comm=allreduce,powersgd",
+        *TINY_CLI,
+        "logger=wandb",
+        cwd=tmp_path,
+        env=OFFLINE_WANDB,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     sweep = sweep_dir(tmp_path)
     jobs = sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
@@ -68,9 +86,11 @@ def test_a_sweep_runs_each_job_as_a_ddp_group_in_its_own_dir_with_a_summary_and_
 
     rows = summary_rows(sweep)
     assert [(row["job"], row["status"], row["optimizer.lr"], row["comm"]) for row in rows] == [
-        ("0", "completed", "0.1", "allreduce"), ("1", "completed", "0.1", "powersgd"),
-        ("2", "completed", "0.05", "allreduce"), ("3", "completed", "0.05", "powersgd"),
-    ]  # fmt: skip
+        ("0", "completed", "0.1", "allreduce"),
+        ("1", "completed", "0.1", "powersgd"),
+        ("2", "completed", "0.05", "allreduce"),
+        ("3", "completed", "0.05", "powersgd"),
+    ]
     assert [float(row["val/accuracy"]) for row in rows] == pytest.approx(
         [summary["val/accuracy"] for summary in summaries], rel=1e-5
     )
@@ -104,11 +124,18 @@ def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_value
     0's, and the end-of-run check (runner.check_replicas_agree) fails a job whose ranks
     trained with different values."""
     result = cli(
-        "-m", "launcher=slurm_local", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
-        "hydra.sweeper.n_jobs=2", "hydra.sweeper.direction=maximize",
-        "hydra.sweeper.sampler.seed=0", "optimizer.lr=interval(0.01,0.3)", *TINY_CLI,
-        cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        "-m",
+        "launcher=slurm_local",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.direction=maximize",
+        "hydra.sweeper.sampler.seed=0",
+        "optimizer.lr=interval(0.01,0.3)",
+        *TINY_CLI,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     sweep = sweep_dir(tmp_path)
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
@@ -125,20 +152,27 @@ def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_value
 
 
 LAUNCHER_CHECKS = [
-    (["launcher=slurm", "launcher.tasks_per_node=2", "launcher.gpus_per_node=4"], {},
-     ["launcher.tasks_per_node=2", "launcher.gpus_per_node=4", "launcher.tasks_per_node=4"]),
-    (["launcher=slurm"], {"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "0"},
-     ["launcher=slurm under torchrun", "not under torchrun"]),
+    (
+        ["launcher=slurm", "launcher.tasks_per_node=2", "launcher.gpus_per_node=4"],
+        {},
+        ["launcher.tasks_per_node=2", "launcher.gpus_per_node=4", "launcher.tasks_per_node=4"],
+    ),
+    (
+        ["launcher=slurm"],
+        {"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "0"},
+        ["launcher=slurm under torchrun", "not under torchrun"],
+    ),
     (["launcher=slurm"], {"PATH": "/nonexistent"}, ["sbatch", "launcher=slurm_local"]),
     (["launcher=slurm", "trainer.stop_signals=[SIGTERM]"], {}, ["SIGUSR2", "trainer.stop_signals"]),
     ([], {"SLURM_STEP_NUM_TASKS": "4"}, ["one of 4 tasks of an srun step", "launcher=slurm"]),
     (["-m", "objective=accuracy"], {}, ["objective='accuracy'", "val/accuracy"]),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("overrides", "env", "expected"), LAUNCHER_CHECKS, ids=lambda v: str(v))
-def test_impossible_launches_are_refused_before_anything_is_submitted(cli, tmp_path, overrides, env,
-                                                                      expected):  # fmt: skip
+def test_impossible_launches_are_refused_before_anything_is_submitted(
+    cli, tmp_path, overrides, env, expected
+):
     result = cli(*overrides, "trainer.max_steps=1", cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stderr[-3000:]
     for text in expected:

@@ -11,30 +11,48 @@ import pytest
 from tests.conftest import REPO, make_cfg, read_metrics, train_many
 
 pytestmark = pytest.mark.slow
-SHORT = ("trainer.max_epochs=null", "trainer.max_steps=4", "trainer.log_every=2",
-         "trainer.eval_every=2")  # fmt: skip
+SHORT = (
+    "trainer.max_epochs=null",
+    "trainer.max_steps=4",
+    "trainer.log_every=2",
+    "trainer.eval_every=2",
+)
 
 
 @pytest.fixture(scope="module")
 def preset_runs(tmp_path_factory):
     """Every preset, shortened, as one 2-rank job each."""
     root = tmp_path_factory.mktemp("presets")
-    presets = {"digits_cnn": (), "diabetes_mlp": (), "digits_vae": (),
-               "char_gpt": ("model.layers=1", "model.width=32", "data.stride=512",
-                            "task.sample_tokens=40")}  # fmt: skip
-    jobs = [(make_cfg(f"experiment={name}", *extra, *SHORT), root / name)
-            for name, extra in presets.items()]  # fmt: skip
+    presets = {
+        "digits_cnn": (),
+        "diabetes_mlp": (),
+        "digits_vae": (),
+        "char_gpt": (
+            "model.layers=1",
+            "model.width=32",
+            "data.stride=512",
+            "task.sample_tokens=40",
+        ),
+    }
+    jobs = [
+        (make_cfg(f"experiment={name}", *extra, *SHORT), root / name)
+        for name, extra in presets.items()
+    ]
     return dict(zip(presets, train_many(jobs), strict=True)), root
 
 
-@pytest.mark.parametrize(("preset", "main", "files"), [
-    ("digits_cnn", "val/accuracy", []),
-    ("diabetes_mlp", "val/r2", []),
-    ("digits_vae", "val/elbo", ["reconstructions.png", "samples.png"]),
-    ("char_gpt", "val/loss", ["samples.txt"]),
-])  # fmt: skip
-def test_every_preset_trains_on_two_ranks_and_reports_its_tasks_metrics(preset_runs, preset, main,
-                                                                       files):  # fmt: skip
+@pytest.mark.parametrize(
+    ("preset", "main", "files"),
+    [
+        ("digits_cnn", "val/accuracy", []),
+        ("diabetes_mlp", "val/r2", []),
+        ("digits_vae", "val/elbo", ["reconstructions.png", "samples.png"]),
+        ("char_gpt", "val/loss", ["samples.txt"]),
+    ],
+)
+def test_every_preset_trains_on_two_ranks_and_reports_its_tasks_metrics(
+    preset_runs, preset, main, files
+):
     summaries, root = preset_runs
     summary, run_dir = summaries[preset], root / preset
     assert summary["objective"] == main and summary["world_size"] == 2
@@ -52,10 +70,18 @@ def test_a_task_from_the_users_own_package_trains_on_two_ranks(cli, tmp_path):
     """tests/integration/my_experiments is outside framework/: one class and one YAML file,
     found through FRAMEWORK_CONFIG_PATH."""
     run_dir = tmp_path / "run"
-    result = cli("task=abs_error", "data=diabetes", "model=ffn", "trainer.max_epochs=2",
-                     f"hydra.run.dir={run_dir}", cwd=tmp_path,
-                     env={"PYTHONPATH": str(REPO),
-                          "FRAMEWORK_CONFIG_PATH": "pkg://tests.integration.my_experiments.conf"})
+    result = cli(
+        "task=abs_error",
+        "data=diabetes",
+        "model=ffn",
+        "trainer.max_epochs=2",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        env={
+            "PYTHONPATH": str(REPO),
+            "FRAMEWORK_CONFIG_PATH": "pkg://tests.integration.my_experiments.conf",
+        },
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["objective"] == "val/within_half" and summary["world_size"] == 2
@@ -67,21 +93,34 @@ def test_a_task_from_the_users_own_package_trains_on_two_ranks(cli, tmp_path):
 
 
 MISFITS = [
-    (["task=language_model"], ["task=language_model reads (inputs, targets) of token ids",
-                               "float32 [32, 1, 8, 8]", "data=text"]),
-    (["data=diabetes", "model=ffn"], ["task=classification", "not integer class labels",
-                                      "task=regression"]),
-    (["model.num_classes=1", "launcher.nproc_per_node=1"], ["at least 2 class logits",
-                                                           "task=regression"]),
+    (
+        ["task=language_model"],
+        [
+            "task=language_model reads (inputs, targets) of token ids",
+            "float32 [32, 1, 8, 8]",
+            "data=text",
+        ],
+    ),
+    (
+        ["data=diabetes", "model=ffn"],
+        ["task=classification", "not integer class labels", "task=regression"],
+    ),
+    (
+        ["model.num_classes=1", "launcher.nproc_per_node=1"],
+        ["at least 2 class logits", "task=regression"],
+    ),
     (["objective=val/acuracy"], ["objective='val/acuracy' is not a metric", "val/accuracy"]),
-    (["task=autoencoder"], ["task=autoencoder: the model returns float32 [32, 10]",
-                            "float32 [32, 1, 8, 8]"]),
-]  # fmt: skip
+    (
+        ["task=autoencoder"],
+        ["task=autoencoder: the model returns float32 [32, 10]", "float32 [32, 1, 8, 8]"],
+    ),
+]
 
 
 @pytest.mark.parametrize(("overrides", "expected"), MISFITS, ids=lambda v: " ".join(v))
-def test_a_task_that_does_not_fit_exits_2_with_one_line_and_no_run_dir(cli, tmp_path, overrides,
-                                                                       expected):  # fmt: skip
+def test_a_task_that_does_not_fit_exits_2_with_one_line_and_no_run_dir(
+    cli, tmp_path, overrides, expected
+):
     result = cli(*overrides, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

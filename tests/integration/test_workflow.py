@@ -18,9 +18,16 @@ from tests.faults import FAULT_ENV
 
 pytestmark = pytest.mark.slow
 # 4 steps per epoch of the digits set on 2 ranks x batch 128; evaluations every 4 steps.
-WORKFLOW = ("data.batch_size=128", "trainer.max_epochs=null", "trainer.max_steps=24",
-            "trainer.eval_every=4", "trainer.log_every=2", "data.test_fraction=0.1",
-            "checkpoint.best=2", "checkpoint.every=8")  # fmt: skip
+WORKFLOW = (
+    "data.batch_size=128",
+    "trainer.max_epochs=null",
+    "trainer.max_steps=24",
+    "trainer.eval_every=4",
+    "trainer.log_every=2",
+    "data.test_fraction=0.1",
+    "checkpoint.best=2",
+    "checkpoint.every=8",
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +39,25 @@ def runs(tmp_path_factory):
         "best": WORKFLOW,
         # lr 0 from the start: nothing improves, so the third evaluation without improvement
         # (step 16) ends the run.
-        "early": (*WORKFLOW, "optimizer.lr=1e-12", "trainer.early_stopping.patience=2",
-                  "trainer.early_stopping.min_delta=1e-3", "objective=val/loss"),
-        "groups": (*WORKFLOW, "optimizer=adamw", "+optimizer.lr_multipliers={head.*:10.0}",
-                   "trainer.profile_steps=[3,4]", "trainer.max_steps=6", "checkpoint.best=0"),
-    }  # fmt: skip
-    summaries = train_many([(make_cfg(*overrides), root / name)
-                            for name, overrides in jobs.items()])  # fmt: skip
+        "early": (
+            *WORKFLOW,
+            "optimizer.lr=1e-12",
+            "trainer.early_stopping.patience=2",
+            "trainer.early_stopping.min_delta=1e-3",
+            "objective=val/loss",
+        ),
+        "groups": (
+            *WORKFLOW,
+            "optimizer=adamw",
+            "+optimizer.lr_multipliers={head.*:10.0}",
+            "trainer.profile_steps=[3,4]",
+            "trainer.max_steps=6",
+            "checkpoint.best=0",
+        ),
+    }
+    summaries = train_many(
+        [(make_cfg(*overrides), root / name) for name, overrides in jobs.items()]
+    )
     return {name: (summary, root / name) for name, summary in zip(jobs, summaries, strict=True)}
 
 
@@ -51,14 +70,19 @@ def test_the_best_checkpoints_are_kept_by_the_objective_and_best_pt_is_the_best(
     by_step = scores(run_dir)
     assert sorted(by_step) == [4, 8, 12, 16, 20, 24]  # step 24's evaluation is the final one
     best_files = sorted((run_dir / "checkpoints" / "best").glob("step_*.pt"))
-    kept = {int(p.stem.split("_")[1]): json.loads(p.with_suffix(".json").read_text())["score"]
-            for p in best_files}  # fmt: skip
+    kept = {
+        int(p.stem.split("_")[1]): json.loads(p.with_suffix(".json").read_text())["score"]
+        for p in best_files
+    }
     assert len(kept) == 2
     assert sorted(kept.values(), reverse=True) == sorted(by_step.values(), reverse=True)[:2]
     best = torch.load(run_dir / "checkpoints" / "best.pt", weights_only=True)
     assert by_step[best["step"]] == max(by_step.values())
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.pt")) == [
-        "step_00000008.pt", "step_00000016.pt", "step_00000024.pt"]  # as without best  # fmt: skip
+        "step_00000008.pt",
+        "step_00000016.pt",
+        "step_00000024.pt",
+    ]  # as without best
 
 
 def test_a_test_split_is_tested_with_the_best_weights_at_the_end(runs):
@@ -73,8 +97,10 @@ def test_a_test_split_is_tested_with_the_best_weights_at_the_end(runs):
 def test_early_stopping_ends_every_rank_at_one_step_saves_and_says_why(runs):
     summary, run_dir = runs["early"]
     assert summary["steps"] == 12  # evaluations at 4 (best), 8 and 12: 2 without improvement
-    assert "early stopping: val/loss did not improve by 0.001 for 2 evaluations" in (
-        summary["stopped_early"])
+    assert (
+        "early stopping: val/loss did not improve by 0.001 for 2 evaluations"
+        in (summary["stopped_early"])
+    )
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 12
     assert "early stopping: val/loss" in (run_dir / "train.log").read_text()
     # The final evaluation is step 12's, logged once.
@@ -86,30 +112,41 @@ def test_parameter_groups_without_decay_on_biases_and_with_lr_multipliers_resume
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     groups = saved["optimizer"]["param_groups"]
     # AdamW's default: no decay on 1-D parameters; the head at 10x the lr comes after.
-    assert [(g["weight_decay"], len(g["params"])) for g in groups] == [(0.01, 3), (0.0, 3),
-                                                                        (0.01, 1), (0.0, 1)]
+    assert [(g["weight_decay"], len(g["params"])) for g in groups] == [
+        (0.01, 3),
+        (0.0, 3),
+        (0.01, 1),
+        (0.0, 1),
+    ]
     assert groups[2]["initial_lr"] == pytest.approx(10 * groups[0]["initial_lr"])
     trace = next((run_dir / "profile").glob("*.pt.trace.json"))
     assert "traceEvents" in json.loads(trace.read_text())
 
 
-def test_mode_eval_of_a_checkpoint_equals_the_runs_own_evaluation_and_writes_beside_it(cli, runs,
-                                                                                      tmp_path):
+def test_mode_eval_of_a_checkpoint_equals_the_runs_own_evaluation_and_writes_beside_it(
+    cli, runs, tmp_path
+):
     summary, run_dir = runs["best"]
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     checkpoints = run_dir / "checkpoints"
-    test = cli(*WORKFLOW, "mode=eval", f"checkpoint.resume={checkpoints / 'best.pt'}",
-                   "eval.split=test", cwd=tmp_path)  # fmt: skip
+    test = cli(
+        *WORKFLOW,
+        "mode=eval",
+        f"checkpoint.resume={checkpoints / 'best.pt'}",
+        "eval.split=test",
+        cwd=tmp_path,
+    )
     assert test.returncode == 0, test.stderr[-3000:]
-    val = cli(*WORKFLOW, "mode=eval", f"checkpoint.resume={checkpoints / 'last.pt'}",
-                  cwd=tmp_path)  # fmt: skip
+    val = cli(*WORKFLOW, "mode=eval", f"checkpoint.resume={checkpoints / 'last.pt'}", cwd=tmp_path)
     assert val.returncode == 0, val.stderr[-3000:]
     [test_dir] = (run_dir / "eval").glob("test-*")
     [val_dir] = (run_dir / "eval").glob("val-*")
     evaluated = json.loads((test_dir / "summary.json").read_text())
     assert evaluated["test/accuracy"] == summary["test/accuracy"]  # the same best weights
-    assert json.loads((val_dir / "summary.json").read_text())["val/accuracy"] == (
-        summary["val/accuracy"])  # the final weights, 2 ranks, exactly
+    assert (
+        json.loads((val_dir / "summary.json").read_text())["val/accuracy"]
+        == (summary["val/accuracy"])
+    )  # the final weights, 2 ranks, exactly
     assert {p: p.read_bytes() for p in before} == before  # the run's own files are untouched
     assert (val_dir / ".hydra" / "config.yaml").exists() and (val_dir / "train.log").exists()
 
@@ -117,8 +154,14 @@ def test_mode_eval_of_a_checkpoint_equals_the_runs_own_evaluation_and_writes_bes
 def test_mode_eval_with_other_model_settings_is_refused_naming_the_run_command(cli, runs, tmp_path):
     _, run_dir = runs["best"]
     evals_before = sorted((run_dir / "eval").glob("*")) if (run_dir / "eval").exists() else []
-    result = cli(*WORKFLOW, "model.width=16", "mode=eval", "launcher.nproc_per_node=1",
-                     f"checkpoint.resume={run_dir / 'checkpoints' / 'last.pt'}", cwd=tmp_path)
+    result = cli(
+        *WORKFLOW,
+        "model.width=16",
+        "mode=eval",
+        "launcher.nproc_per_node=1",
+        f"checkpoint.resume={run_dir / 'checkpoints' / 'last.pt'}",
+        cwd=tmp_path,
+    )
     assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-3000:]
     assert "model.width: 32 in the checkpoint, 16 now" in result.stderr
     evals_after = sorted((run_dir / "eval").glob("*")) if (run_dir / "eval").exists() else []
@@ -135,8 +178,13 @@ def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_ru
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    args = (*FAULTS, *LOGGERS, f"logger.mlflow.tracking_uri={store}",
-            f"hydra.run.dir={tmp_path / 'run'}", "+data.api_token=PLANTED-SECRET-1")
+    args = (
+        *FAULTS,
+        *LOGGERS,
+        f"logger.mlflow.tracking_uri={store}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "+data.api_token=PLANTED-SECRET-1",
+    )
     stopped = run_cli(*args, cwd=tmp_path, env={FAULT_ENV: "parent-SIGTERM:0:9"})
     assert stopped.returncode == ExitCode.STOPPED, stopped.stderr[-3000:]
     resumed = cli(*args, cwd=tmp_path, env={FAULT_ENV: None})  # (the signal needed a process)
@@ -168,27 +216,37 @@ def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_ru
 
 def test_wandb_dir_is_honoured(cli, tmp_path):
     run_dir, wandb_dir = tmp_path / "run", tmp_path / "elsewhere"
-    result = cli("logger=wandb", "trainer.max_steps=2", "launcher.nproc_per_node=1",
-                     f"hydra.run.dir={run_dir}", cwd=tmp_path,
-                     env={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir),
-                          "WANDB_API_KEY": None})  # fmt: skip
+    result = cli(
+        "logger=wandb",
+        "trainer.max_steps=2",
+        "launcher.nproc_per_node=1",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        env={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_API_KEY": None},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert list(wandb_dir.glob("wandb/offline-run-*")) and not (run_dir / "wandb").exists()
 
 
 # --- mistakes that slipped through -----------------------------------------------------------
 MISTAKES = [
-    ([f"hydra.searchpath=[file://{Path(__file__).parent / 'nope'}]"],
-     ["hydra.searchpath", "nope is not a folder of config files"]),
-    (["+trainer.max_step=20"], ["trainer.max_step is not a setting: did you mean "
-                                "trainer.max_steps?"]),
+    (
+        [f"hydra.searchpath=[file://{Path(__file__).parent / 'nope'}]"],
+        ["hydra.searchpath", "nope is not a folder of config files"],
+    ),
+    (
+        ["+trainer.max_step=20"],
+        ["trainer.max_step is not a setting: did you mean trainer.max_steps?"],
+    ),
     (["model=resnet99"], ["model", "resnet18"]),  # Hydra's own: exits 2 like ours
     (["optimizer.lr=abc"], ["optimizer.lr", "abc"]),
     (["mode=eval"], ["mode=eval evaluates a checkpoint: set checkpoint.resume="]),
     (["trainer.early_stopping.patience=3"], ["trainer.eval_every"]),
-    (["+optimizer.lr_multipliers={nothing.*:2.0}", "launcher.nproc_per_node=1"],
-     ["optimizer.lr_multipliers: nothing.* matches no parameter"]),
-]  # fmt: skip
+    (
+        ["+optimizer.lr_multipliers={nothing.*:2.0}", "launcher.nproc_per_node=1"],
+        ["optimizer.lr_multipliers: nothing.* matches no parameter"],
+    ),
+]
 
 
 @pytest.mark.parametrize(("overrides", "expected"), MISTAKES, ids=lambda v: " ".join(v)[:60])
@@ -224,7 +282,8 @@ def test_help_lists_the_groups_users_pick_from_and_no_schema(cli, tmp_path):
 def test_launcher_torchrun_leaves_no_torchelastic_folder_behind(tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
-    result = run_cli("launcher=torchrun", "trainer.max_steps=2", cwd=tmp_path,
-                     env={"TMPDIR": str(temp)})  # fmt: skip
+    result = run_cli(
+        "launcher=torchrun", "trainer.max_steps=2", cwd=tmp_path, env={"TMPDIR": str(temp)}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in temp.iterdir() if "elastic" in p.name) == []

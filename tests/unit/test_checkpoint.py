@@ -19,16 +19,24 @@ from tests.conftest import REPO
 
 
 def payload(step: int, **extra) -> dict:
-    return {"format": checkpoint.FORMAT, "step": step, "model": {"w": torch.full((3,), step)},
-            **extra}  # fmt: skip
+    return {
+        "format": checkpoint.FORMAT,
+        "step": step,
+        "model": {"w": torch.full((3,), step)},
+        **extra,
+    }
 
 
 def test_write_keeps_the_newest_k_and_points_last_at_the_newest(tmp_path):
     for step in (5, 10, 15, 20):
         write(tmp_path, step, payload(step), keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "last.pt", "step_00000015.json", "step_00000015.pt", "step_00000020.json",
-        "step_00000020.pt"]  # fmt: skip
+        "last.pt",
+        "step_00000015.json",
+        "step_00000015.pt",
+        "step_00000020.json",
+        "step_00000020.pt",
+    ]
     assert os.readlink(tmp_path / "last.pt") == "step_00000020.pt"
     # A single process loads the bare model for inference, weights only.
     loaded = torch.load(tmp_path / "last.pt", weights_only=True)
@@ -47,8 +55,9 @@ def break_file(path: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["empty", "truncated", "corrupted"])
-def test_a_broken_newest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path, how,
-                                                                            caplog):  # fmt: skip
+def test_a_broken_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
+    tmp_path, how, caplog
+):
     write(tmp_path, 4, payload(4), keep=3)
     write(tmp_path, 8, payload(8), keep=3)
     break_file(tmp_path / "step_00000008.pt", how)
@@ -109,8 +118,9 @@ def test_a_file_that_is_not_ours_is_refused(tmp_path):
 
 def test_a_different_model_gets_one_error_listing_every_mismatched_key(tmp_path):
     saved = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).state_dict()
-    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 2), torch.nn.ReLU(),
-                                torch.nn.Linear(2, 2))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 16), torch.nn.Linear(16, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2)
+    )
     with pytest.raises(CheckpointError) as error:
         check_model_keys(tmp_path / "x.pt", saved, model)
     message = str(error.value)
@@ -127,8 +137,9 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_valid(tmp_path):
         "print('writing', flush=True)\n"
         f"checkpoint.write(__import__('pathlib').Path({str(tmp_path)!r}), 2, big, keep=3)\n"
     )
-    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
-                               text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     assert process.stdout.readline().strip() == "writing"
     time.sleep(0.3)  # inside torch.save of 400 MB
     process.send_signal(signal.SIGKILL)

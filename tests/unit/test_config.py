@@ -89,11 +89,13 @@ def test_cosine_warmup_ramps_up_then_decays_to_min():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize(("scaling", "expected"), [("none", 0.1), ("linear", 0.05),
-                                                   ("sqrt", 0.1 * math.sqrt(0.5))])  # fmt: skip
+@pytest.mark.parametrize(
+    ("scaling", "expected"), [("none", 0.1), ("linear", 0.05), ("sqrt", 0.1 * math.sqrt(0.5))]
+)
 def test_lr_scaling_against_the_reference_global_batch(scaling, expected):
-    cfg = make_cfg("optimizer.lr=0.1", f"optimizer.lr_scaling={scaling}",
-                   "optimizer.reference_batch_size=256")  # fmt: skip
+    cfg = make_cfg(
+        "optimizer.lr=0.1", f"optimizer.lr_scaling={scaling}", "optimizer.reference_batch_size=256"
+    )
     assert scaled_lr(cfg.optimizer, global_batch_size=128) == pytest.approx(expected)
 
 
@@ -150,10 +152,13 @@ def test_the_root_config_only_picks_options():
 
 
 def schema_targets() -> list[tuple[type, str]]:
-    return [(schema, schema._target_) for options in SCHEMAS.values()
-            for schema in options.values()
-            if isinstance(getattr(schema, "_target_", None), str)
-            and schema._target_.startswith("framework.")]  # fmt: skip
+    return [
+        (schema, schema._target_)
+        for options in SCHEMAS.values()
+        for schema in options.values()
+        if isinstance(getattr(schema, "_target_", None), str)
+        and schema._target_.startswith("framework.")
+    ]
 
 
 @pytest.mark.parametrize(("schema", "target"), schema_targets(), ids=lambda v: str(v)[-40:])

@@ -12,8 +12,9 @@ from framework.core.launch_context import DistEnv
 
 
 def test_torchrun_variables():
-    env = DistEnv.from_environ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-                                "LOCAL_WORLD_SIZE": "2"})  # fmt: skip
+    env = DistEnv.from_environ(
+        {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    )
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
     assert env.source == "torchrun" and env.distributed and not env.is_main
 
@@ -24,9 +25,16 @@ def test_a_slurm_task_is_one_rank_and_rank_0_on_the_first_node_hosts_the_rendezv
     from framework.core.launch_context import rendezvous_port
     from framework.launch.slurm_task import task_env
 
-    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "3",
-             "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
-             "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}  # fmt: skip
+    slurm = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }
     for name, value in slurm.items():
         monkeypatch.setenv(name, value)
     for name in ("MASTER_ADDR", "MASTER_PORT"):

@@ -18,7 +18,9 @@ def test_one_panel_per_metric_with_train_and_validation_together():
     assert titles == ["loss", "accuracy"]  # the losses first; lr is not a metric
     loss_axis = figure.axes[0]
     assert [line.get_label() for line in loss_axis.get_lines()] == [
-        "train (mean over ranks)", "validation"]  # fmt: skip
+        "train (mean over ranks)",
+        "validation",
+    ]
     assert list(loss_axis.get_lines()[0].get_xdata()) == [10, 20]
 
 

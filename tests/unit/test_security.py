@@ -124,11 +124,22 @@ def options(folder: Path) -> list[str]:
 
 
 SHIPPED = [
-    *(f"{group}={name}" for group in ("model", "data", "optimizer", "scheduler", "logger",
-                                       "launcher", "precision", "comm")
-      for name in options(CONF_DIR / group)),
+    *(
+        f"{group}={name}"
+        for group in (
+            "model",
+            "data",
+            "optimizer",
+            "scheduler",
+            "logger",
+            "launcher",
+            "precision",
+            "comm",
+        )
+        for name in options(CONF_DIR / group)
+    ),
     *(f"experiment={name}" for name in options(REPO / "experiments")),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("override", SHIPPED)
@@ -140,29 +151,39 @@ def test_every_shipped_option_and_experiment_passes_the_allowlist(override):
 REFUSED = [
     (["+hydra.callbacks.evil._target_=shutil.copy"], "hydra.callbacks.evil._target_=shutil.copy"),
     (["+hydra.callbacks.evil={_target_:builtins.open,file:x}"], "_target_=builtins.open"),
-    (["-m",
-      "+hydra.callbacks.e._target_=choice(framework.command.validate_callback.ValidateBeforeRun,os.system)"],
-     "_target_=os.system"),
+    (
+        [
+            "-m",
+            "+hydra.callbacks.e._target_=choice(framework.command.validate_callback.ValidateBeforeRun,os.system)",
+        ],
+        "_target_=os.system",
+    ),
     (["hydra.launcher._target_=subprocess.Popen"], "_target_=subprocess.Popen"),
     (["hydra.sweeper._target_=importlib.import_module"], "_target_=importlib.import_module"),
-    (["+hydra.hydra_logging.handlers.evil={\\(\\):shutil.copy,src:a,dst:b}"],
-     "evil.()=shutil.copy"),
+    (
+        ["+hydra.hydra_logging.handlers.evil={\\(\\):shutil.copy,src:a,dst:b}"],
+        "evil.()=shutil.copy",
+    ),
     (["+hydra.job_logging.handlers.evil={class:shutil.copy}"], "evil.class=shutil.copy"),
     (["+hydra.callbacks.evil._target_=hydra.core.utils.os.system"], "resolves to posix.system"),
     (["+hydra.callbacks.evil._target_=hydra.utils.instantiate"], "can load or run arbitrary"),
     (["+hydra.callbacks.evil=${model}"], "interpolations are not allowed"),
     (["hydra.sweeper.params={+hydra.callbacks.e._target_:shutil.copy}"], "shutil.copy"),
-    (["+hydra.sweeper.params.x=1", "+hydra.sweeper.params.allowed_targets=[os]"],
-     "allowed_targets cannot be set on the command line"),
+    (
+        ["+hydra.sweeper.params.x=1", "+hydra.sweeper.params.allowed_targets=[os]"],
+        "allowed_targets cannot be set on the command line",
+    ),
     (["allowed_targets=[builtins]"], "allowed_targets cannot be set on the command line"),
     (["+allowed_targets=[os]"], "allowed_targets cannot be set on the command line"),
     (["~hydra.callbacks.validate"], "hydra.callbacks.validate cannot be changed"),
-    (["hydra.callbacks.validate._target_=hydra.experimental.callback.Callback"],
-     "hydra.callbacks.validate._target_ cannot be changed"),
+    (
+        ["hydra.callbacks.validate._target_=hydra.experimental.callback.Callback"],
+        "hydra.callbacks.validate._target_ cannot be changed",
+    ),
     (["hydra.output_subdir=.hydra"], "hydra.callbacks.validate.output_subdir=.hydra"),
     (["+hydra.job.env_set.LD_PRELOAD=/tmp/x.so"], "LD_PRELOAD cannot be set"),
     (["--experimental-rerun", "config.pickle"], "loads a pickle"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("argv", "expected"), REFUSED, ids=lambda v: str(v))
@@ -190,8 +211,13 @@ def test_ordinary_command_lines_pass(argv):
 
 def test_secret_overrides_move_to_the_environment_and_still_resolve(monkeypatch):
     environ = {"WANDB_API_KEY": "PLANTED-SECRET-456"}
-    argv = ["-m", "+data.api_token=" + SECRET, "optimizer.lr=0.1",
-            "+logger.note=PLANTED-SECRET-456", "+data.password=a1234567,b1234567"]  # fmt: skip
+    argv = [
+        "-m",
+        "+data.api_token=" + SECRET,
+        "optimizer.lr=0.1",
+        "+logger.note=PLANTED-SECRET-456",
+        "+data.password=a1234567,b1234567",
+    ]
     hidden = hide_command_line_secrets(argv, environ)
     assert hidden[1] == "+data.api_token=${oc.env:FRAMEWORK_SECRET_DATA_API_TOKEN}"
     assert hidden[3] == "+logger.note=${oc.env:FRAMEWORK_SECRET_LOGGER_NOTE}"  # a known value
@@ -206,46 +232,83 @@ def test_group_selections_keep_their_option_name():
     environ: dict[str, str] = {}
     argv = ["db/credentials=prod", "+api_token=abcdefgh"]
     assert hide_command_line_secrets(argv, environ) == [
-        "db/credentials=prod", "+api_token=${oc.env:FRAMEWORK_SECRET_API_TOKEN}"]  # fmt: skip
+        "db/credentials=prod",
+        "+api_token=${oc.env:FRAMEWORK_SECRET_API_TOKEN}",
+    ]
     assert environ == {"FRAMEWORK_SECRET_API_TOKEN": "abcdefgh"}
 
 
 # --- secrets --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "name",
-    ["api_key", "WANDB_API_KEY", "data.api_token", "password", "db_passwd", "apiKey",
-     "accessToken", "client_secret", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "credentials.user"],
-)  # fmt: skip
+    [
+        "api_key",
+        "WANDB_API_KEY",
+        "data.api_token",
+        "password",
+        "db_passwd",
+        "apiKey",
+        "accessToken",
+        "client_secret",
+        "HF_TOKEN",
+        "AWS_SECRET_ACCESS_KEY",
+        "credentials.user",
+    ],
+)
 def test_secret_names(name):
     assert is_secret_name(name)
 
 
 @pytest.mark.parametrize(
     "name",
-    ["max_tokens", "tokenizer", "keep", "monkey", "keys", "PWD", "batch_size",
-     "hydra.job.config.override_dirname.exclude_keys", "num_passes", "KEYBOARD"],
-)  # fmt: skip
+    [
+        "max_tokens",
+        "tokenizer",
+        "keep",
+        "monkey",
+        "keys",
+        "PWD",
+        "batch_size",
+        "hydra.job.config.override_dirname.exclude_keys",
+        "num_passes",
+        "KEYBOARD",
+    ],
+)
 def test_names_that_are_not_secret(name):
     assert not is_secret_name(name)
 
 
 def test_secret_values_come_from_config_keys_and_environment_and_skip_short_ones():
-    cfg = OmegaConf.create({"data": {"api_token": SECRET, "max_tokens": 123456789},
-                            "db": {"password": "abc"},
-                            "auth": {"token": "${data.api_token}"}})  # fmt: skip
-    environ = {"WANDB_API_KEY": "PLANTED-SECRET-456", "HOME": "/root/home-dir",
-               "SSL_KEY_FILE": "/etc/ssl/key.pem", "REDIS_KEY_PREFIX": "myapp-",
-               "GH_TOKEN": "x"}  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "data": {"api_token": SECRET, "max_tokens": 123456789},
+            "db": {"password": "abc"},
+            "auth": {"token": "${data.api_token}"},
+        }
+    )
+    environ = {
+        "WANDB_API_KEY": "PLANTED-SECRET-456",
+        "HOME": "/root/home-dir",
+        "SSL_KEY_FILE": "/etc/ssl/key.pem",
+        "REDIS_KEY_PREFIX": "myapp-",
+        "GH_TOKEN": "x",
+    }
     assert secret_values(cfg, environ) == {SECRET, "PLANTED-SECRET-456"}
 
 
 def test_redact_replaces_secret_keys_whole_and_secret_values_anywhere():
-    value = {"data": {"api_token": "short-ok", "root": f"/data/{SECRET}/x", "n": 3},
-             "flags": [f"--key={SECRET}", True], "use_token": True, "password": None}  # fmt: skip
+    value = {
+        "data": {"api_token": "short-ok", "root": f"/data/{SECRET}/x", "n": 3},
+        "flags": [f"--key={SECRET}", True],
+        "use_token": True,
+        "password": None,
+    }
     assert redact(value, {SECRET}) == {
         "data": {"api_token": REDACTED, "root": f"/data/{REDACTED}/x", "n": 3},
-        "flags": [f"--key={REDACTED}", True], "use_token": True, "password": None,
-    }  # fmt: skip
+        "flags": [f"--key={REDACTED}", True],
+        "use_token": True,
+        "password": None,
+    }
     assert redact("abcdef-longer abcdef", {"abcdef", "abcdef-longer"}) == f"{REDACTED} {REDACTED}"
 
 

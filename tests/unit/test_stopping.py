@@ -15,15 +15,23 @@ from framework.run.stopping import NonFiniteWatch, SignalExchange, StopRequests
 T, F = torch.tensor(True), torch.tensor(False)
 
 
-def add(watch: NonFiniteWatch, step: int, loss_finite: torch.Tensor, grads_finite: torch.Tensor,
-        dropped: torch.Tensor | None) -> None:  # fmt: skip
+def add(
+    watch: NonFiniteWatch,
+    step: int,
+    loss_finite: torch.Tensor,
+    grads_finite: torch.Tensor,
+    dropped: torch.Tensor | None,
+) -> None:
     """A step as the runner adds it: its [loss sum, item count] and the gradient check's flag."""
     loss = torch.tensor([2.5 if loss_finite else math.nan, 32.0], dtype=torch.float64)
     watch.add(step, loss, torch.tensor(0.0 if grads_finite else 1.0), dropped)
 
 
-def watched(steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], fold_every: int,
-            monkeypatch) -> NonFiniteWatch:  # fmt: skip
+def watched(
+    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    fold_every: int,
+    monkeypatch,
+) -> NonFiniteWatch:
     monkeypatch.setattr(NonFiniteWatch, "FOLD_EVERY", fold_every)
     watch = NonFiniteWatch(DistEnv(), torch.device("cpu"))
     for step, (loss_finite, grads_finite, dropped) in enumerate(steps, start=1):

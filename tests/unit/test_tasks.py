@@ -86,9 +86,14 @@ def test_language_model_perplexity_and_bits_per_char_follow_the_per_token_loss()
     task = LanguageModel(chars_per_token=1.0)
     with torch.no_grad():
         metrics = totals_over(task, model, batches)
-        per_token = torch.cat([
-            F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")[y.flatten() >= 0]
-            for x, y in batches])  # fmt: skip
+        per_token = torch.cat(
+            [
+                F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")[
+                    y.flatten() >= 0
+                ]
+                for x, y in batches
+            ]
+        )
     assert metrics["loss"] == pytest.approx(per_token.mean().item(), rel=1e-6)
     assert metrics["perplexity"] == pytest.approx(math.exp(metrics["loss"]), rel=1e-9)
     assert metrics["bits_per_char"] == pytest.approx(metrics["loss"] / math.log(2), rel=1e-9)
@@ -153,29 +158,62 @@ class VectorLoss(Task):
 
 images, labels = torch.randn(4, 1, 8, 8), torch.tensor([1, 2, 3, 4])
 MISFITS = [
-    (Classification(), SmallCNN(1, 10, 4), (images, torch.rand(4)),
-     ["task=classification", "not integer class labels", "task=regression"]),
-    (Classification(), SmallCNN(1, 1, 4), (images, labels * 0),
-     ["at least 2 class logits", "task=regression"]),
-    (Classification(), SmallCNN(1, 3, 4), (images, labels),
-     ["labels run from 1 to 4", "3 class logits", "data.num_classes"]),
-    (Regression(), SmallCNN(1, 10, 4), (images, labels),
-     ["task=regression", "not real numbers", "task=classification"]),
-    (Regression(), SmallCNN(1, 10, 4), (images, torch.rand(4)),
-     ["returns [4, 10] for targets [4]", "task=classification"]),
-    (LanguageModel(), SmallCNN(1, 10, 4), (images, labels),
-     ["task=language_model", "token ids", "data=text"]),
-    (Autoencoder(vae=True), SmallCNN(1, 10, 4), (images, labels),
-     ["task.vae=true", "(reconstruction, mu, logvar)", "model=vae"]),
+    (
+        Classification(),
+        SmallCNN(1, 10, 4),
+        (images, torch.rand(4)),
+        ["task=classification", "not integer class labels", "task=regression"],
+    ),
+    (
+        Classification(),
+        SmallCNN(1, 1, 4),
+        (images, labels * 0),
+        ["at least 2 class logits", "task=regression"],
+    ),
+    (
+        Classification(),
+        SmallCNN(1, 3, 4),
+        (images, labels),
+        ["labels run from 1 to 4", "3 class logits", "data.num_classes"],
+    ),
+    (
+        Regression(),
+        SmallCNN(1, 10, 4),
+        (images, labels),
+        ["task=regression", "not real numbers", "task=classification"],
+    ),
+    (
+        Regression(),
+        SmallCNN(1, 10, 4),
+        (images, torch.rand(4)),
+        ["returns [4, 10] for targets [4]", "task=classification"],
+    ),
+    (
+        LanguageModel(),
+        SmallCNN(1, 10, 4),
+        (images, labels),
+        ["task=language_model", "token ids", "data=text"],
+    ),
+    (
+        Autoencoder(vae=True),
+        SmallCNN(1, 10, 4),
+        (images, labels),
+        ["task.vae=true", "(reconstruction, mu, logvar)", "model=vae"],
+    ),
     (Autoencoder(vae=False), VAE(1, 8, 2, 8), (images,), ["task.vae=true"]),
-    (Autoencoder(vae=True, reconstruction="bce"), VAE(1, 8, 2, 8), (images,),
-     ["inputs in [0, 1]", "data.normalize=false"]),
+    (
+        Autoencoder(vae=True, reconstruction="bce"),
+        VAE(1, 8, 2, 8),
+        (images,),
+        ["inputs in [0, 1]", "data.normalize=false"],
+    ),
     (VectorLoss(), SmallCNN(1, 10, 4), (images, labels), ["must be a scalar", "got shape [4]"]),
-]  # fmt: skip
+]
 
 
-@pytest.mark.parametrize(("task", "model", "batch", "expected"), MISFITS,
-                         ids=lambda v: type(v).__name__)  # fmt: skip
+@pytest.mark.parametrize(
+    ("task", "model", "batch", "expected"), MISFITS, ids=lambda v: type(v).__name__
+)
 def test_a_task_that_does_not_fit_the_data_or_the_model_is_one_clear_config_error(
     task, model, batch, expected
 ):
@@ -196,13 +234,19 @@ def test_every_shipped_task_fits_its_preset():
             task.check(model.eval(), first_batch(splits.train, 4))
 
 
-@pytest.mark.parametrize(("objective", "allowed"), [
-    ("val/acc", ["val/accuracy", "val/loss", "samples_per_s", "wall_s"]),
-    ("val/accuracy", None),  # regression reports r2, mse, mae
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("objective", "allowed"),
+    [
+        ("val/acc", ["val/accuracy", "val/loss", "samples_per_s", "wall_s"]),
+        ("val/accuracy", None),  # regression reports r2, mse, mae
+    ],
+)
 def test_an_objective_the_task_does_not_report_names_the_metrics_it_does(objective, allowed):
-    cfg = make_cfg(f"objective={objective}") if allowed else make_cfg(
-        "experiment=diabetes_mlp", f"objective={objective}")  # fmt: skip
+    cfg = (
+        make_cfg(f"objective={objective}")
+        if allowed
+        else make_cfg("experiment=diabetes_mlp", f"objective={objective}")
+    )
     with pytest.raises(ConfigError) as error:
         validate(cfg)
     for name in allowed or ["val/r2", "val/mse", "val/mae"]:
@@ -210,8 +254,12 @@ def test_an_objective_the_task_does_not_report_names_the_metrics_it_does(objecti
 
 
 def test_batches_of_any_nesting_move_to_the_device_and_only_images_go_channels_last():
-    batch = {"image": torch.rand(2, 3, 4, 4), "mask": torch.ones(2, 4, 4, 1, dtype=torch.long),
-             "pair": (torch.zeros(1), [torch.ones(2)]), "name": "x"}  # fmt: skip
+    batch = {
+        "image": torch.rand(2, 3, 4, 4),
+        "mask": torch.ones(2, 4, 4, 1, dtype=torch.long),
+        "pair": (torch.zeros(1), [torch.ones(2)]),
+        "name": "x",
+    }
     moved = to_device(batch, torch.device("cpu"), channels_last=True)
     assert moved["image"].is_contiguous(memory_format=torch.channels_last)
     assert moved["mask"].is_contiguous()  # 4-D but not floating point: not an image

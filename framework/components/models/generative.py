@@ -16,8 +16,13 @@ class FeedForward(nn.Module):
     """Linear-GELU blocks from `in_features` to `out_features` (tabular regression or
     classification). No dropout by default: exact DDP parity."""
 
-    def __init__(self, in_features: int, out_features: int, hidden_sizes: list[int],
-                 dropout: float = FeedForwardConfig.dropout) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        hidden_sizes: list[int],
+        dropout: float = FeedForwardConfig.dropout,
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         width = in_features
@@ -39,21 +44,34 @@ class VAE(nn.Module):
     (reconstruction logits shaped like the input, mu, logvar). With `sample=False` the latent is
     mu itself (no noise): deterministic, used by exact-parity tests."""
 
-    def __init__(self, in_channels: int, image_size: int,
-                 latent_dim: int = VAEModelConfig.latent_dim,
-                 hidden_size: int = VAEModelConfig.hidden_size,
-                 sample: bool = VAEModelConfig.sample) -> None:  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int,
+        image_size: int,
+        latent_dim: int = VAEModelConfig.latent_dim,
+        hidden_size: int = VAEModelConfig.hidden_size,
+        sample: bool = VAEModelConfig.sample,
+    ) -> None:
         super().__init__()
         self.shape = (in_channels, image_size, image_size)
         pixels = in_channels * image_size * image_size
         self.latent_dim, self.sample = latent_dim, sample
-        self.encoder = nn.Sequential(nn.Flatten(), nn.Linear(pixels, hidden_size), nn.GELU(),
-                                     nn.Linear(hidden_size, hidden_size), nn.GELU())  # fmt: skip
+        self.encoder = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(pixels, hidden_size),
+            nn.GELU(),
+            nn.Linear(hidden_size, hidden_size),
+            nn.GELU(),
+        )
         self.to_mu = nn.Linear(hidden_size, latent_dim)
         self.to_logvar = nn.Linear(hidden_size, latent_dim)
-        self.decoder = nn.Sequential(nn.Linear(latent_dim, hidden_size), nn.GELU(),
-                                     nn.Linear(hidden_size, hidden_size), nn.GELU(),
-                                     nn.Linear(hidden_size, pixels))  # fmt: skip
+        self.decoder = nn.Sequential(
+            nn.Linear(latent_dim, hidden_size),
+            nn.GELU(),
+            nn.Linear(hidden_size, hidden_size),
+            nn.GELU(),
+            nn.Linear(hidden_size, pixels),
+        )
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.decoder(z).view(-1, *self.shape)
@@ -72,8 +90,9 @@ class _Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
-                                 nn.Linear(4 * width, width), nn.Dropout(dropout))  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
         self.heads, self.dropout = heads, dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +100,8 @@ class _Block(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
         q, k, v = (t.view(batch, time, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         attended = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, time, width))
         return x + self.mlp(self.norm2(x))
 
@@ -91,10 +111,15 @@ class GPT(nn.Module):
     learned positions, tied input/output embeddings). forward(tokens [B, T]) -> logits
     [B, T, vocab_size]."""
 
-    def __init__(self, vocab_size: int, block_size: int = GPTConfig.block_size,
-                 layers: int = GPTConfig.layers, heads: int = GPTConfig.heads,
-                 width: int = GPTConfig.width,
-                 dropout: float = GPTConfig.dropout) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = GPTConfig.block_size,
+        layers: int = GPTConfig.layers,
+        heads: int = GPTConfig.heads,
+        width: int = GPTConfig.width,
+        dropout: float = GPTConfig.dropout,
+    ) -> None:
         super().__init__()
         self.block_size = block_size
         self.tokens = nn.Embedding(vocab_size, width)

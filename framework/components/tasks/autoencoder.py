@@ -25,8 +25,12 @@ class Autoencoder(Task):
     reads = "inputs to reconstruct (a tensor, or the first element / 'inputs' of a batch)"
     fix = "pick a data option with inputs to reconstruct"
 
-    def __init__(self, vae: bool = Defaults.vae, reconstruction: str = Defaults.reconstruction,
-                 kl_weight: float = Defaults.kl_weight) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vae: bool = Defaults.vae,
+        reconstruction: str = Defaults.reconstruction,
+        kl_weight: float = Defaults.kl_weight,
+    ) -> None:
         self.vae, self.reconstruction, self.kl_weight = vae, reconstruction, kl_weight
         if vae:
             self.metrics = {"elbo": "max", "reconstruction": "min", "kl": "min"}
@@ -49,8 +53,9 @@ class Autoencoder(Task):
         outputs = self._outputs(model, inputs)
         reconstructed = outputs[0].float()
         if self.reconstruction == "bce":
-            error = F.binary_cross_entropy_with_logits(reconstructed, inputs.float(),
-                                                       reduction="sum")  # fmt: skip
+            error = F.binary_cross_entropy_with_logits(
+                reconstructed, inputs.float(), reduction="sum"
+            )
         else:
             error = F.mse_loss(reconstructed, inputs.float(), reduction="sum")
         terms = {"reconstruction": error}
@@ -64,8 +69,11 @@ class Autoencoder(Task):
 
     def loss(self, model: nn.Module, batch: Any) -> TaskLoss:
         terms = self._terms(model, batch)
-        total = terms["reconstruction"] + self.kl_weight * terms["kl"] if self.vae else \
-            terms["reconstruction"]  # fmt: skip
+        total = (
+            terms["reconstruction"] + self.kl_weight * terms["kl"]
+            if self.vae
+            else terms["reconstruction"]
+        )
         return TaskLoss(total, sums={key: value.detach() for key, value in terms.items()})
 
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
@@ -96,8 +104,11 @@ class Autoencoder(Task):
             raise ConfigError(
                 f"task=autoencoder: the model returns {batch_shapes(outputs[0])} for inputs "
                 f"{batch_shapes(inputs)}: the reconstruction must have its inputs' shape"
-                + ("" if self.vae else " (a VAE's (reconstruction, mu, logvar) needs "
-                                       "task.vae=true)")
+                + (
+                    ""
+                    if self.vae
+                    else " (a VAE's (reconstruction, mu, logvar) needs task.vae=true)"
+                )
             )
         if self.reconstruction == "bce" and (inputs.min() < 0 or inputs.max() > 1):
             raise ConfigError(
@@ -107,8 +118,9 @@ class Autoencoder(Task):
         super().check(model, batch)
 
     @torch.no_grad()
-    def artifacts(self, model: nn.Module, val_batch: Any,
-                  decode: Callable | None = None) -> dict[str, torch.Tensor | str]:  # fmt: skip
+    def artifacts(
+        self, model: nn.Module, val_batch: Any, decode: Callable | None = None
+    ) -> dict[str, torch.Tensor | str]:
         """reconstructions.png (inputs above, reconstructions below) and, for a model with
         decode() and latent_dim, samples.png (decoded draws from the prior)."""
         inputs = pick(val_batch, 0, "inputs")[:16]

@@ -85,8 +85,9 @@ class Task:
             f"({problem}): {self.fix}"
         )
 
-    def artifacts(self, model: nn.Module, val_batch: Any,
-                  decode: Callable | None = None) -> dict[str, torch.Tensor | str]:  # fmt: skip
+    def artifacts(
+        self, model: nn.Module, val_batch: Any, decode: Callable | None = None
+    ) -> dict[str, torch.Tensor | str]:
         """What the trained model makes, by file name: images [N, C, H, W] in [0, 1] (`*.png`,
         drawn as a grid) or text (`*.txt`). Rank 0 writes them into the run dir at the end;
         `decode` turns token ids into text when the data gives it."""

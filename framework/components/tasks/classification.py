@@ -21,22 +21,26 @@ class Classification(Task):
     metrics = {"accuracy": "max", "loss": "min"}
     states = ("loss", "correct", "count")
     reads = "(inputs, targets) with integer class labels"
-    fix = ("for real-valued targets use task=regression; for token sequences "
-           "task=language_model")  # fmt: skip
+    fix = "for real-valued targets use task=regression; for token sequences task=language_model"
 
-    def __init__(self, label_smoothing: float = Defaults.label_smoothing,
-                 ignore_index: int | None = Defaults.ignore_index) -> None:  # fmt: skip
+    def __init__(
+        self,
+        label_smoothing: float = Defaults.label_smoothing,
+        ignore_index: int | None = Defaults.ignore_index,
+    ) -> None:
         self.label_smoothing = label_smoothing
         self.ignore_index = ignore_index
 
     def _split(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return model(pick(batch, 0, "inputs")), pick(batch, 1, "targets")
 
-    def _cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor,
-                       smoothing: float) -> torch.Tensor:  # fmt: skip
+    def _cross_entropy(
+        self, logits: torch.Tensor, targets: torch.Tensor, smoothing: float
+    ) -> torch.Tensor:
         ignore = -100 if self.ignore_index is None else self.ignore_index
-        return F.cross_entropy(logits.float(), targets, reduction="sum", ignore_index=ignore,
-                               label_smoothing=smoothing)  # fmt: skip
+        return F.cross_entropy(
+            logits.float(), targets, reduction="sum", ignore_index=ignore, label_smoothing=smoothing
+        )
 
     def count(self, batch: Any) -> Count:
         targets = pick(batch, 1, "targets")
@@ -50,8 +54,11 @@ class Classification(Task):
 
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         logits, targets = self._split(model, batch)
-        valid = torch.ones_like(targets, dtype=torch.bool) if self.ignore_index is None else (
-            targets != self.ignore_index)  # fmt: skip
+        valid = (
+            torch.ones_like(targets, dtype=torch.bool)
+            if self.ignore_index is None
+            else (targets != self.ignore_index)
+        )
         return {
             "loss": self._cross_entropy(logits, targets, 0.0),  # the plain loss, for comparison
             "correct": ((logits.argmax(dim=1) == targets) & valid).sum(),
@@ -59,19 +66,27 @@ class Classification(Task):
         }
 
     def compute(self, totals: dict[str, float]) -> dict[str, float]:
-        return {"loss": mean(totals["loss"], totals["count"]),
-                "accuracy": mean(totals["correct"], totals["count"])}  # fmt: skip
+        return {
+            "loss": mean(totals["loss"], totals["count"]),
+            "accuracy": mean(totals["correct"], totals["count"]),
+        }
 
     def check(self, model: nn.Module, batch: Any) -> None:
         try:
             logits, targets = self._split(model, batch)
         except Exception as error:  # noqa: BLE001
             raise self.misfit(batch, f"{type(error).__name__}: {error}") from None
-        if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or \
-                targets.dtype == torch.bool:  # fmt: skip
+        if (
+            not isinstance(targets, torch.Tensor)
+            or targets.is_floating_point()
+            or targets.dtype == torch.bool
+        ):
             raise self.misfit(batch, "its targets are not integer class labels")
-        if logits.dim() != targets.dim() + 1 or logits.shape[0] != targets.shape[0] or \
-                logits.shape[2:] != targets.shape[1:]:  # fmt: skip
+        if (
+            logits.dim() != targets.dim() + 1
+            or logits.shape[0] != targets.shape[0]
+            or logits.shape[2:] != targets.shape[1:]
+        ):
             raise ConfigError(
                 f"task=classification needs one logit per class for each target: the model "
                 f"returns {list(logits.shape)} for targets {list(targets.shape)}. For a model "

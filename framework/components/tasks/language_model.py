@@ -27,17 +27,24 @@ class LanguageModel(Task):
     reads = "(inputs, targets) of token ids, [batch, time] each"
     fix = "pick a text data option (data=text), or task=classification for labelled inputs"
 
-    def __init__(self, ignore_index: int = Defaults.ignore_index,
-                 chars_per_token: float = Defaults.chars_per_token,
-                 sample_tokens: int = Defaults.sample_tokens) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ignore_index: int = Defaults.ignore_index,
+        chars_per_token: float = Defaults.chars_per_token,
+        sample_tokens: int = Defaults.sample_tokens,
+    ) -> None:
         self.ignore_index = ignore_index
         self.chars_per_token = chars_per_token
         self.sample_tokens = sample_tokens
 
     def _loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         logits, targets = model(pick(batch, 0, "inputs")), pick(batch, 1, "targets")
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum",
-                               ignore_index=self.ignore_index)  # fmt: skip
+        return F.cross_entropy(
+            logits.float().flatten(0, -2),
+            targets.flatten(),
+            reduction="sum",
+            ignore_index=self.ignore_index,
+        )
 
     def count(self, batch: Any) -> Count:
         return (pick(batch, 1, "targets") != self.ignore_index).sum()
@@ -50,8 +57,11 @@ class LanguageModel(Task):
 
     def compute(self, totals: dict[str, float]) -> dict[str, float]:
         loss = mean(totals["loss"], totals["tokens"])  # nats per token
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)),
-                "bits_per_char": loss / math.log(2) / self.chars_per_token}  # fmt: skip
+        return {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)),
+            "bits_per_char": loss / math.log(2) / self.chars_per_token,
+        }
 
     def check(self, model: nn.Module, batch: Any) -> None:
         try:
@@ -59,8 +69,9 @@ class LanguageModel(Task):
         except Exception as error:  # noqa: BLE001
             raise self.misfit(batch, f"{type(error).__name__}: {error}") from None
         tokens = (inputs, targets)
-        if any(not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dim() != 2
-               for t in tokens):  # fmt: skip
+        if any(
+            not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dim() != 2 for t in tokens
+        ):
             raise self.misfit(batch, "inputs and targets must be integer token ids [batch, time]")
         logits = model(inputs)
         if logits.dim() != 3 or logits.shape[:2] != targets.shape:
@@ -71,8 +82,9 @@ class LanguageModel(Task):
         super().check(model, batch)
 
     @torch.no_grad()
-    def artifacts(self, model: nn.Module, val_batch: Any,
-                  decode: Callable | None = None) -> dict[str, torch.Tensor | str]:  # fmt: skip
+    def artifacts(
+        self, model: nn.Module, val_batch: Any, decode: Callable | None = None
+    ) -> dict[str, torch.Tensor | str]:
         """samples.txt: what the model writes after the start of a validation sequence."""
         if decode is None or self.sample_tokens <= 0:
             return {}
@@ -84,7 +96,9 @@ class LanguageModel(Task):
             logits = model(tokens[:, -context:])[:, -1].float()
             next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
             tokens = torch.cat([tokens, next_token], dim=1)
-        text = (f"--- prompt (the start of a validation sequence)\n{decode(prompt[0].tolist())}\n"
-                f"--- the model's continuation ({self.sample_tokens} tokens, sampled)\n"
-                f"{decode(tokens[0, prompt.shape[1]:].tolist())}\n")  # fmt: skip
+        text = (
+            f"--- prompt (the start of a validation sequence)\n{decode(prompt[0].tolist())}\n"
+            f"--- the model's continuation ({self.sample_tokens} tokens, sampled)\n"
+            f"{decode(tokens[0, prompt.shape[1] :].tolist())}\n"
+        )
         return {"samples.txt": text}

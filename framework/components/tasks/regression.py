@@ -39,9 +39,13 @@ class Regression(Task):
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         predictions, targets = (t.double() for t in self._predict(model, batch))
         errors = predictions - targets
-        return {"sse": errors.square().sum(), "sae": errors.abs().sum(), "sum": targets.sum(),
-                "sum_squares": targets.square().sum(),
-                "count": torch.tensor(targets.numel(), device=targets.device)}  # fmt: skip
+        return {
+            "sse": errors.square().sum(),
+            "sae": errors.abs().sum(),
+            "sum": targets.sum(),
+            "sum_squares": targets.square().sum(),
+            "count": torch.tensor(targets.numel(), device=targets.device),
+        }
 
     def compute(self, totals: dict[str, float]) -> dict[str, float]:
         count = totals["count"]

@@ -22,9 +22,14 @@ class AbsoluteError(Task):
 
     def evaluate(self, model, batch):
         errors = self.errors(model, batch)
-        return {"error": errors.sum(), "within": (errors < 0.5).sum(),
-                "count": torch.tensor(errors.numel())}
+        return {
+            "error": errors.sum(),
+            "within": (errors < 0.5).sum(),
+            "count": torch.tensor(errors.numel()),
+        }
 
     def compute(self, totals):
-        return {"mae": totals["error"] / totals["count"],
-                "within_half": totals["within"] / totals["count"]}
+        return {
+            "mae": totals["error"] / totals["count"],
+            "within_half": totals["within"] / totals["count"],
+        }
