@@ -284,8 +284,10 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from framework.config import validate  # (registers the resolvers and schemas)
+    from framework.config import validate
+    from framework.config.registry import register_configs
 
+    register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=overrides)
     validate(cfg)

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import CONF_DIR, validate
+from framework.config.registry import register_configs
 from framework.launch import forkserver
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,6 +39,7 @@ DIST_ENV_VARS = (
 
 def make_cfg(*overrides: str) -> DictConfig:
     """The composed app config, exactly as `train` would see it (minus Hydra's own node)."""
+    register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 

@@ -1,15 +1,12 @@
-"""The typed config: schemas registered in Hydra's ConfigStore, the resolvers the YAML files use,
-and `validate()` for rules that span keys. Importing this package registers them."""
+"""The typed config: schemas (schemas.py), the one place they are registered with Hydra
+(registry.py), what a resume may change and an evaluation must match (settings.py), the
+resolvers the YAML files use, rules that span keys (validation.py) and what may be written
+(redaction.py). Importing it registers nothing: framework/train.py calls register_configs()."""
 
 from pathlib import Path
 
-from framework.config.resolvers import register_resolvers
-from framework.config.schemas import register_schemas
 from framework.config.validation import validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the config groups: the repo's conf/
-
-register_schemas()
-register_resolvers()
 
 __all__ = ["CONF_DIR", "validate"]

@@ -1,20 +1,99 @@
-"""Typed config schemas, registered in Hydra's ConfigStore: the one source of every default.
+"""Typed config schemas: the one source of every default (framework/config/registry.py
+stores them in Hydra's ConfigStore).
 
 Every shipped group option's YAML is `defaults: [/schema/<group>/<option>@_here_]` and nothing
 else, so a typo or a wrong type fails at composition and names the key, and a default lives in
 exactly one place: here (tests/unit/test_config.py checks that YAML files and constructors hold
-no copy). Components are built by `_target_`; those that need runtime arguments (the optimizer
-its parameters, precision its device) are `_partial_`.
+no copy). A setting with a fixed set of values is an enum, so a wrong value fails at composition
+too. Components are built by `_target_`; those that need runtime arguments (the optimizer its
+parameters, precision its device) are `_partial_`.
+
+What a resumed run may change and what an evaluation must match are declared on the fields
+themselves (`setting(..., resumable=True)`, `setting(..., eval_may_differ=True)`, and
+`eval_must_match=True` on the groups an evaluation compares); framework/config/settings.py
+derives the lists from them.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+# Field metadata keys (read by framework/config/settings.py).
+RESUMABLE = "resumable"  # a resumed run may change it: the next step computes the same
+EVAL_MUST_MATCH = "eval_must_match"  # a group an evaluation compares with the training run's
+EVAL_MAY_DIFFER = "eval_may_differ"  # in such a group, yet not which examples or weights are seen
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    resumable: bool = False,
+    eval_must_match: bool = False,
+    eval_may_differ: bool = False,
+) -> Any:
+    """A schema field that says what a resume and an evaluation may do with it."""
+    metadata = {
+        RESUMABLE: resumable,
+        EVAL_MUST_MATCH: eval_must_match,
+        EVAL_MAY_DIFFER: eval_may_differ,
+    }
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    if isinstance(default, type):  # a nested schema
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# --- choices ---------------------------------------------------------------------------------
+class Mode(StrEnum):
+    train = "train"
+    eval = "eval"  # evaluate checkpoint.resume on eval.split, without training
+
+
+class Split(StrEnum):
+    val = "val"
+    test = "test"
+
+
+class OnNonFinite(StrEnum):
+    stop = "stop"  # end the run at that step, saving nothing
+    skip = "skip"  # drop that update and go on
+
+
+class StopSignal(StrEnum):
+    SIGTERM = "SIGTERM"
+    SIGUSR1 = "SIGUSR1"
+    SIGUSR2 = "SIGUSR2"
+    SIGINT = "SIGINT"
+    SIGHUP = "SIGHUP"
+
+
+class Backend(StrEnum):
+    auto = "auto"  # nccl on CUDA, else gloo
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class WireDtype(StrEnum):
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class Reconstruction(StrEnum):
+    mse = "mse"
+    bce = "bce"  # Bernoulli likelihood of inputs in [0, 1]
+
+
+class WandbMode(StrEnum):
+    auto = "auto"  # online when credentials exist, else offline
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
 
 
 # --- models ---------------------------------------------------------------------------------
@@ -92,13 +171,16 @@ class GPTConfig:
 @dataclass
 class DataConfig:
     _target_: str = MISSING  # a function returning framework.components.data.Splits
-    batch_size: int = 32  # per rank; global batch = batch_size * world_size * grad_accum
-    eval_batch_size: int = 256
-    num_workers: int = 0
-    pin_memory: bool = True  # only takes effect on CUDA
-    persistent_workers: bool = True  # only takes effect with num_workers > 0
-    shuffle: bool = True
-    drop_last: bool = True  # training only; evaluation never drops or pads
+    # per rank; global batch = batch_size * world_size * grad_accum
+    batch_size: int = setting(32, eval_may_differ=True)
+    eval_batch_size: int = setting(256, resumable=True, eval_may_differ=True)
+    num_workers: int = setting(0, resumable=True, eval_may_differ=True)
+    pin_memory: bool = setting(True, resumable=True, eval_may_differ=True)  # CUDA only
+    # only takes effect with num_workers > 0
+    persistent_workers: bool = setting(True, resumable=True, eval_may_differ=True)
+    shuffle: bool = setting(True, eval_may_differ=True)
+    # training only; evaluation never drops or pads
+    drop_last: bool = setting(True, eval_may_differ=True)
     # Batches samples that torch's default_collate cannot: {_target_: ...} naming a callable
     # (or a class, with _partial_ for arguments), e.g. framework.components.data.PadSequences.
     collate_fn: Any = None
@@ -125,7 +207,7 @@ class DiabetesConfig(DataConfig):
     """scikit-learn's bundled diabetes: 442 patients, 10 features, a real-valued target."""
 
     _target_: str = "framework.components.data.diabetes"
-    batch_size: int = 16
+    batch_size: int = setting(16, eval_may_differ=True)
     num_features: int = 10
     num_outputs: int = 1
     val_fraction: float = 0.2  # held-out share (88 patients)
@@ -138,8 +220,8 @@ class TextConfig(DataConfig):
     """English text shipped with Python (pydoc_data.topics), one token per ASCII character."""
 
     _target_: str = "framework.components.data.text"
-    batch_size: int = 16
-    eval_batch_size: int = 64
+    batch_size: int = setting(16, eval_may_differ=True)
+    eval_batch_size: int = setting(64, resumable=True, eval_may_differ=True)
     block_size: int = 128  # tokens of context per sequence
     stride: int = 128  # training windows start every `stride` tokens
     val_fraction: float = 0.1  # the last 10% of the text
@@ -161,11 +243,13 @@ class Cifar10Config(DataConfig):
     """CIFAR-10 from a local folder in torchvision's format (data.root)."""
 
     _target_: str = "framework.components.data.cifar10"
-    batch_size: int = 128
-    eval_batch_size: int = 512
-    num_workers: int = 2
-    root: str | None = None  # .../cifar-10-batches-py, or its parent folder
-    download: bool = False  # fetch it (needs internet access)
+    batch_size: int = setting(128, eval_may_differ=True)
+    eval_batch_size: int = setting(512, resumable=True, eval_may_differ=True)
+    num_workers: int = setting(2, resumable=True, eval_may_differ=True)
+    # .../cifar-10-batches-py, or its parent folder
+    root: str | None = setting(None, resumable=True, eval_may_differ=True)
+    # fetch it (needs internet access)
+    download: bool = setting(False, resumable=True, eval_may_differ=True)
     augment: bool = True  # random crop + horizontal flip on the training split
 
 
@@ -282,14 +366,14 @@ class FP16CommConfig(CommConfig):
     """Gradients cast to float16 for the allreduce (half the bytes), cast back after."""
 
     _target_: str = "framework.components.comm.CompressedAllreduce"
-    wire: str = "fp16"
+    wire: WireDtype = WireDtype.fp16
 
 
 @dataclass
 class BF16CommConfig(FP16CommConfig):
     """Gradients cast to bfloat16 for the allreduce (half the bytes), cast back after."""
 
-    wire: str = "bf16"
+    wire: WireDtype = WireDtype.bf16
 
 
 @dataclass
@@ -303,7 +387,7 @@ class PowerSGDConfig(CommConfig):
     error_feedback: bool = True  # carry each rank's compression error into its next step
     warm_start: bool = True  # reuse last step's Q instead of a fresh random one
     orthogonalization_epsilon: float = 0.0  # > 0: Gram-Schmidt with this epsilon; 0: QR
-    compress: str | None = None  # fp16 | bf16: wire dtype of the uncompressed part
+    compress: WireDtype | None = None  # wire dtype of the uncompressed part (null: fp32)
     seed: int = 0  # random projections, identical on every rank
 
 
@@ -345,7 +429,7 @@ class AutoencoderConfig(TaskConfig):
 
     _target_: str = "framework.components.tasks.Autoencoder"
     vae: bool = False
-    reconstruction: str = "mse"  # mse | bce (Bernoulli likelihood of inputs in [0, 1])
+    reconstruction: Reconstruction = Reconstruction.mse
     kl_weight: float = 1.0  # beta of a beta-VAE (1: the ELBO)
 
 
@@ -433,7 +517,7 @@ class WandbLoggerConfig(LoggerConfig):
     tags: list[str] = field(default_factory=list)
     # auto: online when credentials exist (WANDB_API_KEY or `wandb login`), else offline
     # (then `wandb sync <run_dir>/wandb/offline-run-*` uploads later).
-    mode: str = "auto"
+    mode: WandbMode = WandbMode.auto
 
 
 @dataclass
@@ -471,8 +555,8 @@ class DDPConfig:
 
 @dataclass
 class DistConfig:
-    backend: str = "auto"  # auto | gloo | nccl
-    timeout_s: float = 600.0
+    backend: Backend = Backend.auto
+    timeout_s: float = setting(600.0, resumable=True)
     ddp: DDPConfig = field(default_factory=DDPConfig)
 
 
@@ -486,26 +570,30 @@ class EarlyStoppingConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int | None = None  # optimizer steps; whichever of max_steps/max_epochs ends first
-    max_epochs: int | None = 15
+    # optimizer steps; whichever of max_steps/max_epochs ends first
+    max_steps: int | None = setting(None, resumable=True)
+    max_epochs: int | None = setting(15, resumable=True)
     grad_accum: int = 1  # micro-batches per optimizer step
     clip_grad_norm: float | None = None
-    eval_every: int = 0  # steps between evaluations; 0 = only at the end
-    log_every: int = 10  # steps between metric events
+    eval_every: int = setting(0, resumable=True)  # steps between evaluations; 0 = only at the end
+    log_every: int = setting(10, resumable=True)  # steps between metric events
     seed: int = 0
     sync_batchnorm: bool = False
-    channels_last: bool = False  # NHWC weights and images: faster convolutions on recent GPUs
+    # NHWC weights and images: faster convolutions on recent GPUs
+    channels_last: bool = setting(False, resumable=True)
     # torch.compile the DDP model (DDP's optimizer splits graphs at bucket boundaries so
     # communication still overlaps): pays a compile at start-up for faster steps after.
-    compile: bool = False
+    compile: bool = setting(False, resumable=True)
     ema_decay: float | None = None  # e.g. 0.999; evaluation then uses the averaged weights
-    progress_bar: bool = True  # rank 0, only when stderr is a terminal
+    progress_bar: bool = setting(True, resumable=True)  # rank 0, only when stderr is a terminal
     # A non-finite loss (or, outside amp, gradient) on any rank: every rank sees it at the
     # same step. stop: end the run there, saving nothing; skip: drop that update and go on.
-    on_nonfinite: str = "stop"
+    on_nonfinite: OnNonFinite = setting(OnNonFinite.stop, resumable=True)
     # Signals that stop the run at the next step with a checkpoint (exit code 75, resumable).
     # SIGINT (Ctrl-C) always does.
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])
+    stop_signals: list[StopSignal] = setting(
+        [StopSignal.SIGTERM, StopSignal.SIGUSR1, StopSignal.SIGUSR2], resumable=True
+    )
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     # torch.profiler trace of these optimizer steps on rank 0 ([first, last], e.g. [10, 12]) into
     # <run dir>/profile/ (TensorBoard's profiler plugin or Perfetto open it); []: off.
@@ -528,95 +616,32 @@ class CheckpointConfig:
 class EvalConfig:
     """mode=eval: evaluate checkpoint.resume without training."""
 
-    split: str = "val"  # val | test (a data option with a test split)
+    split: Split = Split.val  # test: a data option with a test split
 
 
 @dataclass
 class Config:
     # train, or eval: evaluate the checkpoint checkpoint.resume on eval.split, writing into
     # <its run dir>/eval/ (never over the training run's own files).
-    mode: str = "train"
+    mode: Mode = Mode.train
     eval: EvalConfig = field(default_factory=EvalConfig)
-    task: Any = MISSING
-    model: Any = MISSING
-    data: Any = MISSING
+    task: Any = setting(MISSING, eval_must_match=True)
+    model: Any = setting(MISSING, eval_must_match=True)
+    data: Any = setting(MISSING, eval_must_match=True)
     optimizer: Any = MISSING
     scheduler: Any = MISSING
     precision: Any = MISSING
     comm: Any = MISSING
-    launcher: Any = MISSING
+    launcher: Any = setting(MISSING, resumable=True)
     # Any number of loggers, each under its name: logger=[wandb,tensorboard,csv,mlflow].
-    logger: dict[str, Any] = field(default_factory=dict)
+    logger: dict[str, Any] = setting({}, resumable=True)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = setting(CheckpointConfig, resumable=True)
     dist: DistConfig = field(default_factory=DistConfig)
     # The summary metric the app returns to Hydra (sweepers such as optuna optimise it) and the
     # sweep summary lists first: val/<a metric of the task>, samples_per_s or wall_s. Null: the
     # task's main metric (val/accuracy for classification, val/r2, val/loss, val/elbo ...).
-    objective: str | None = None
+    objective: str | None = setting(None, resumable=True)
     # Module prefixes `_target_` may name, on top of torch, torchvision, framework and
     # experiments (framework/core/allowlist.py). Config files only: the command line cannot set it.
-    allowed_targets: list[str] = field(default_factory=list)
-
-
-SCHEMAS: dict[str, dict[str, type]] = {
-    "task": {
-        "base": TaskConfig,
-        "classification": ClassificationConfig,
-        "regression": RegressionConfig,
-        "language_model": LanguageModelConfig,
-        "autoencoder": AutoencoderConfig,
-    },
-    "model": {
-        "base": ModelConfig,
-        "mlp": MLPConfig,
-        "cnn": CNNConfig,
-        "resnet18": ResNet18Config,
-        "resnet50": ResNet50Config,
-        "ffn": FeedForwardConfig,
-        "vae": VAEModelConfig,
-        "gpt": GPTConfig,
-    },
-    "data": {
-        "base": DataConfig,
-        "digits": DigitsConfig,
-        "diabetes": DiabetesConfig,
-        "text": TextConfig,
-        "synthetic": SyntheticConfig,
-        "cifar10": Cifar10Config,
-    },
-    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
-    "scheduler": {
-        "constant": ConstantSchedulerConfig,
-        "cosine": CosineSchedulerConfig,
-        "step": StepSchedulerConfig,
-    },
-    "precision": {"fp32": PrecisionConfig, "bf16": BF16Config, "amp": AmpConfig},
-    "comm": {
-        "allreduce": CommConfig,
-        "fp16": FP16CommConfig,
-        "bf16": BF16CommConfig,
-        "powersgd": PowerSGDConfig,
-    },
-    "launcher": {
-        "local": LocalLauncherConfig,
-        "torchrun": TorchrunLauncherConfig,
-        "slurm": SlurmLauncherConfig,
-        "slurm_local": SlurmLocalLauncherConfig,
-    },
-    "logger": {
-        "base": LoggerConfig,
-        "wandb": WandbLoggerConfig,
-        "tensorboard": TensorBoardLoggerConfig,
-        "csv": CsvLoggerConfig,
-        "mlflow": MLflowLoggerConfig,
-    },
-}
-
-
-def register_schemas() -> None:
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-    for group, options in SCHEMAS.items():
-        for name, schema in options.items():
-            cs.store(group=f"schema/{group}", name=name, node=schema)
+    allowed_targets: list[str] = setting([], resumable=True)

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from framework.components.comm import PowerSGD
 from framework.components.models import MLP, resnet18_cifar
 from framework.components.precision import AMP
-from framework.config.schemas import SCHEMAS
+from framework.config.registry import SCHEMAS
 from framework.core.distributed import DistEnv  # (imports torch._dynamo before any process group)
 from tests.conftest import spawn_ranks
 

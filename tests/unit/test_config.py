@@ -14,8 +14,9 @@ from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
 from framework.components.optim import build_optimizer, scaled_lr
-from framework.config import validate
-from framework.config.schemas import SCHEMAS
+from framework.config import schemas, validate
+from framework.config.registry import SCHEMAS
+from framework.config.settings import must_match_in_eval, resumable_keys, training_settings
 from framework.core.exits import ConfigError
 from tests.conftest import CONF_DIR, make_cfg
 
@@ -106,11 +107,20 @@ def test_lr_scaling_against_the_reference_global_batch(scaling, expected):
         ("optimizer.lr=abc", "optimizer.lr"),
         ("trainer.not_a_key=1", "not_a_key"),
         ("optimizer.lr_scaling=cubic", "linear"),
+        # Choices are enums: a wrong one fails at composition, listing the valid ones.
+        ("dist.backend=mpi", "expected one of [auto, gloo, nccl]"),
+        ("mode=predict", "expected one of [train, eval]"),
+        ("eval.split=train", "expected one of [val, test]"),
+        ("trainer.on_nonfinite=ignore", "expected one of [stop, skip]"),
+        ("trainer.stop_signals=[SIGTERM,SIGKILL]", "SIGKILL"),
+        ("task=autoencoder task.reconstruction=l1", "expected one of [mse, bce]"),
+        ("comm=powersgd comm.compress=fp8", "expected one of [fp16, bf16]"),
+        ("logger=wandb logger.wandb.mode=cloud", "expected one of [auto, online, offline"),
     ],
 )
 def test_composition_errors_name_the_key(override, expected):
     with pytest.raises(ConfigCompositionException) as error:
-        make_cfg(override)
+        make_cfg(*override.split())
     assert expected in str(error.value) + str(error.value.__cause__)
 
 
@@ -123,7 +133,6 @@ def test_composition_errors_name_the_key(override, expected):
         (["data=cifar10", "data.root=/nonexistent"], "data.root=/nonexistent"),
         (["trainer.max_steps=null", "trainer.max_epochs=null"], "trainer.max_steps"),
         (["trainer.ema_decay=1.5"], "trainer.ema_decay"),
-        (["dist.backend=mpi"], "dist.backend"),
     ],
 )
 def test_cross_field_errors_name_the_setting(overrides, expected):
@@ -175,3 +184,34 @@ def test_sgd_weight_decay_is_the_documented_default():
     """The value conf/optimizer/sgd.yaml carried, once a second default next to the schema's."""
     assert make_cfg("optimizer=sgd").optimizer.weight_decay == 5e-4
     assert make_cfg("optimizer=adamw").optimizer.weight_decay == 0.01
+
+
+# --- what a resume may change and an evaluation must match: schema field metadata -------------
+def test_resumable_settings_come_from_the_schema_metadata():
+    keys = resumable_keys()
+    # Whole sections, single trainer keys, and data options' loader keys (any data option).
+    for key in ("checkpoint", "logger", "launcher", "trainer.max_steps", "data.num_workers"):
+        assert key in keys
+    for key in ("trainer.grad_accum", "trainer.seed", "optimizer.lr", "data.batch_size"):
+        assert key not in keys
+
+
+def test_training_settings_leave_out_what_a_resume_may_change():
+    record = OmegaConf.to_container(make_cfg(), resolve=True)
+    settings = training_settings(record)
+    assert "optimizer.lr" in settings and "data.batch_size" in settings
+    assert "trainer.max_epochs" not in settings and "data.num_workers" not in settings
+    assert not any(key.startswith(("launcher.", "checkpoint.", "logger")) for key in settings)
+
+
+def test_a_users_data_schema_inherits_what_an_evaluation_may_change():
+    @dataclasses.dataclass
+    class MyData(schemas.DataConfig):
+        val_fraction: float = 0.2
+
+    assert MyData.__dataclass_fields__["num_workers"].metadata[schemas.RESUMABLE]
+    assert must_match_in_eval("data.val_fraction")  # which examples: must match
+    for loader_key in ("data.batch_size", "data.eval_batch_size", "data.root", "data.shuffle"):
+        assert not must_match_in_eval(loader_key)
+    assert must_match_in_eval("model.width") and must_match_in_eval("task.label_smoothing")
+    assert not must_match_in_eval("optimizer.lr")  # an evaluation trains nothing

@@ -23,6 +23,7 @@ from framework.config.redaction import (
     secret_values,
     write_hydra_record,
 )
+from framework.config.registry import register_configs
 from framework.core.allowlist import (
     check_command_line,
     check_targets,
@@ -343,6 +344,7 @@ def test_the_log_filter_redacts_messages_and_tracebacks(monkeypatch):
 
 # --- Hydra's records ------------------------------------------------------------------------
 def compose_with_hydra(*overrides: str):
+    register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
 
