@@ -11,20 +11,18 @@ import sys
 from pathlib import Path
 
 import hydra
-import hydra._internal.utils as hydra_internals
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
+from framework.command.hydra_errors import run_app
 from framework.config import CONF_DIR, validate
 from framework.config.redaction import hide_command_line_secrets
+from framework.config.registry import register_configs
 from framework.core import launch_context, startup_clock
 from framework.core.allowlist import check_command_line
 from framework.core.exits import (
     ConfigError,
-    ExitCode,
     JobFailed,
     NonFiniteLoss,
     Rejected,
@@ -33,13 +31,18 @@ from framework.core.exits import (
     end,
 )
 from framework.launch import forkserver
-from framework.launch.start import launch
+from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start, start
 from framework.storage.run_dir import RunDir, throwaway_dir
+
+# Every way into the app (the console script, `python -m framework.train`, a SLURM task unpickling
+# hydra_app) imports this module before Hydra composes or resolves anything.
+register_configs()
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_app(cfg: DictConfig) -> float | None:
-    """Hydra's task function: validated, resolved once, then handed to the launcher."""
+    """Hydra's task function: validated, resolved once, then its ranks started (launch/start.py
+    decides how)."""
     here = launch_context.current()
     if isinstance(here, launch_context.SubmititTask):
         startup_clock.count_from_this_process()
@@ -47,22 +50,15 @@ def hydra_app(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweep_job = hydra_cfg.mode == RunMode.MULTIRUN
-    if here.is_follower and isinstance(here, launch_context.SubmititTask):
-        from framework.launch.slurm_task import run_follower  # a rank (framework/launch docstring)
-
-        run_follower(cfg, run_dir)
+    if adopts_rank_zero_config(here):
+        start(Start.SLURM_FOLLOWER, cfg, run_dir)
         return None
     try:
         validate(cfg)
         if sweep_job:
             join_sweep(cfg, RunDir(run_dir), hydra_cfg)
         OmegaConf.resolve(cfg)
-        if isinstance(here, launch_context.TorchElastic):
-            from framework.launch.external_torchrun import run_torchrun_rank  # a rank, as above
-
-            summary = run_torchrun_rank(cfg, run_dir)
-        else:
-            summary = launch(cfg, run_dir)
+        summary = start(how_ranks_start(cfg.launcher, here), cfg, run_dir)
     except Stopped as stop:  # rank 0 said where the checkpoint is
         raise SystemExit(stop.exit_code) from None  # a stop (Ctrl-C) ends a whole sweep too
     except (Rejected, NonFiniteLoss, WorkerFailed) as error:
@@ -85,31 +81,6 @@ def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:
         wandb.run_name = wandb.run_name or f"{job.num}-{job.override_dirname}"[:128]
 
 
-# What Hydra finds wrong in a command line: an option that does not exist, a value of the wrong
-# type, an override it cannot parse.
-HYDRA_CONFIG_MISTAKES = (ConfigCompositionException, MissingConfigException, OverrideParseException)
-_hydra_run_and_report = hydra_internals.run_and_report
-
-
-def run_and_report(func):
-    """Hydra's run_and_report (which prints an error and exits 1), except that Hydra's config
-    mistakes exit with the code of every config mistake (2). Hydra 1.3 offers no hook for it;
-    hydra-core is pinned (1.3.8)."""
-
-    def config_mistakes_exit_2():
-        try:
-            return func()
-        except HYDRA_CONFIG_MISTAKES as error:
-            if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
-            print(error, file=sys.stderr)
-            if isinstance(error.__cause__, OmegaConfBaseException):
-                print(error.__cause__, file=sys.stderr)
-            raise SystemExit(ExitCode.CONFIG_REJECTED) from None
-
-    return _hydra_run_and_report(config_mistakes_exit_2)
-
-
 def main() -> None:
     startup_clock.mark("imports")
     here = launch_context.current()
@@ -129,9 +100,8 @@ def main() -> None:
         # no record of the job is written.
         cleanup_dir = throwaway_dir()
         sys.argv += [f"hydra.run.dir={cleanup_dir}", "hydra.callbacks.validate.output_subdir=null"]
-    hydra_internals.run_and_report = run_and_report
     try:
-        hydra_app()
+        run_app(hydra_app)
     finally:
         if cleanup_dir:
             shutil.rmtree(cleanup_dir, ignore_errors=True)

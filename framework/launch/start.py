@@ -1,32 +1,94 @@
-"""Which launcher starts the ranks of this run: launch(cfg, run_dir) dispatches on
-cfg.launcher (framework/launch/__init__.py says what the launchers share)."""
+"""The one place that decides how a run's ranks start, from how this process was started
+(framework/core/launch_context.py) and cfg.launcher:
+
+| this process                            | launcher          | how                                |
+|-----------------------------------------|-------------------|------------------------------------|
+| a rank of an external torchrun          | (any but slurm)   | this process is the rank           |
+| a SLURM task of a submitted job, rank>0 | slurm/slurm_local | adopt rank 0's config, be the rank |
+| a SLURM task of a submitted job, rank 0 | slurm/slurm_local | this process is rank 0             |
+| a command a user typed                  | torchrun          | torch's elastic agent forks them   |
+| a command a user typed                  | local, 1 rank     | this process is the rank           |
+| a command a user typed                  | local, N ranks    | forked from the fork server        |
+
+The process that launches ranks never imports the training stack (torch._dynamo and the rest):
+its ranks get it from the fork server. Where this process is a rank itself, it imports it then:
+those imports sit in the functions below.
+"""
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from framework.core.launch_context import DistEnv
+from framework.core import launch_context
+from framework.core.launch_context import DistEnv, LaunchContext
 from framework.launch.local import launch_local
 from framework.launch.torchrun_agent import launch_elastic
 from framework.storage.run_dir import RunDir
 
+SUBMITIT_LAUNCHERS = ("slurm", "slurm_local")
 
-def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Run cfg with cfg.launcher; returns rank 0's summary."""
-    if cfg.launcher.name in ("slurm", "slurm_local"):  # this process is one task: one rank
-        from framework.launch.slurm_task import run_task  # (a rank: framework/launch/__init__.py)
+
+class Start(Enum):
+    EXTERNAL_TORCHRUN_RANK = "a rank of an external torchrun"
+    SLURM_FOLLOWER = "a SLURM task that adopts rank 0's config"
+    SLURM_TASK = "a SLURM task: one rank"
+    TORCHRUN_AGENT = "ranks from torch's elastic agent"
+    IN_PROCESS = "one rank in this process"
+    LOCAL_RANKS = "ranks forked from the fork server"
+
+
+def adopts_rank_zero_config(here: LaunchContext) -> bool:
+    """A SLURM task of rank > 0 runs rank 0's config, checked there: it checks nothing itself
+    (and so reads nothing of the config before it has rank 0's)."""
+    return isinstance(here, launch_context.SubmititTask) and here.is_follower
+
+
+def how_ranks_start(launcher: DictConfig, here: LaunchContext) -> Start:
+    """How this run's ranks start, from this process's launch context and the (checked)
+    launcher settings."""
+    if adopts_rank_zero_config(here):
+        return Start.SLURM_FOLLOWER
+    if isinstance(here, launch_context.TorchElastic):
+        return Start.EXTERNAL_TORCHRUN_RANK
+    if launcher.name in SUBMITIT_LAUNCHERS:
+        # Not inside a job: slurm_task refuses it with the fix (submit through Hydra's multirun).
+        return Start.SLURM_TASK
+    if launcher.name == "torchrun":
+        return Start.TORCHRUN_AGENT
+    return Start.IN_PROCESS if launcher.nproc_per_node == 1 else Start.LOCAL_RANKS
+
+
+def start(how: Start, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Run cfg's ranks as `how` says; returns rank 0's summary where this process has it."""
+    if how is Start.SLURM_FOLLOWER:
+        from framework.launch.slurm_task import run_follower  # a rank: imports the stack
+
+        run_follower(cfg, run_dir)
+        return None
+    if how is Start.SLURM_TASK:
+        from framework.launch.slurm_task import run_task  # a rank: imports the stack
 
         return run_task(cfg, run_dir)
-    if cfg.launcher.name == "torchrun":
-        launch_elastic(cfg, run_dir)
-    elif cfg.launcher.nproc_per_node == 1:
-        from framework.run.assemble import run  # (a rank: framework/launch/__init__.py)
+    if how is Start.EXTERNAL_TORCHRUN_RANK:
+        from framework.launch.external_torchrun import run_torchrun_rank  # a rank, as above
+
+        return run_torchrun_rank(cfg, run_dir)
+    if how is Start.IN_PROCESS:
+        from framework.run.assemble import run  # a rank, as above
 
         return run(cfg, run_dir, DistEnv())
+    if how is Start.TORCHRUN_AGENT:
+        launch_elastic(cfg, run_dir)
     else:
         launch_local(cfg, run_dir, cfg.launcher.nproc_per_node)
     files = RunDir(run_dir)
     return files.read_summary() if files.summary.exists() else None
+
+
+def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Run a checked, resolved cfg from this process, as `train` does after composing it."""
+    return start(how_ranks_start(cfg.launcher, launch_context.current()), cfg, run_dir)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import DIST_ENV_VARS, REPO, read_metrics, train_losses
+from tests.conftest import DIST_ENV_VARS, REPO, read_metrics, run_cli, train_losses
 
 pytestmark = pytest.mark.slow
 QUICK = ("trainer.max_epochs=1", "trainer.log_every=5")
@@ -159,7 +159,10 @@ BAD_INPUT = [
         ["data=synthetic", "data.train_size=16", "data.val_size=4"],
         ["data.batch_size", "smaller than one global batch"],
     ),
-    (["comm=powersgd", "comm.compress=fp8"], ["comm.compress='fp8'", "fp16, bf16 or null"]),
+    (["comm=powersgd", "comm.compress=fp8"], ["comm.compress=fp8", "expected one of [fp16, bf16]"]),
+    (["trainer.on_nonfinite=ignore"], ["trainer.on_nonfinite=ignore", "one of [stop, skip]"]),
+    (["trainer.max_step=5"], ["trainer.max_step", "not in 'TrainerConfig'"]),
+    (["+trainer.max_step=5"], ["did you mean trainer.max_steps?"]),
 ]
 
 
@@ -175,6 +178,25 @@ def test_bad_input_exits_nonzero_with_one_clear_message_and_no_run_dir(
     # One short message: Hydra's lists of options (tab-indented) grow with the config groups.
     lines = result.stderr.strip().splitlines()
     assert len([line for line in lines if not line.startswith("\t")]) <= 10
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_hydra_config_mistakes_are_one_error_line_with_exit_2(cli, tmp_path):
+    """framework/command/hydra_errors.py against the installed Hydra: its composition error comes
+    back as one `error:` line with OmegaConf's reason, and HYDRA_FULL_ERROR is left as it was."""
+    result = cli("dist.backend=mpi", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: Error merging override dist.backend=mpi: Invalid value 'mpi', expected one of "
+        "[auto, gloo, nccl]"
+    ]
+    assert "HYDRA_FULL_ERROR" not in os.environ
+
+
+def test_hydra_full_error_still_shows_hydras_traceback(tmp_path):
+    result = run_cli("dist.backend=mpi", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode == 1  # the exception escaped, as Hydra documents for this switch
+    assert "Traceback" in result.stderr and "ConfigCompositionException" in result.stderr
     assert not (tmp_path / "outputs").exists()
 
 

@@ -1,0 +1,74 @@
+"""Hydra's own errors with our exit codes: a config mistake Hydra finds (an option that does not
+exist, a value of the wrong type, an override it cannot parse) exits 2, like every config mistake
+we find (framework/core/exits.py), as one `error:` line.
+
+Hydra runs the app inside its `run_and_report`, which prints any exception and exits 1: it has no
+hook for the exit code. It re-raises instead when HYDRA_FULL_ERROR=1, its documented switch for
+full tracebacks, so `run_app` sets that switch while the app runs and prints what Hydra would
+have. A user who sets HYDRA_FULL_ERROR=1 still gets Hydra's traceback. tests/integration/
+test_cli.py holds this to Hydra's behaviour: the exit code and the message of each kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+from hydra.errors import (
+    CompactHydraException,
+    ConfigCompositionException,
+    MissingConfigException,
+    OverrideParseException,
+)
+from omegaconf.errors import OmegaConfBaseException
+
+from framework.core.exits import ExitCode
+
+FULL_ERROR = "HYDRA_FULL_ERROR"
+CONFIG_MISTAKES = (ConfigCompositionException, MissingConfigException, OverrideParseException)
+
+
+def run_app(app: Callable[[], Any]) -> None:
+    """Run a `@hydra.main` app: Hydra's config mistakes exit 2, its other reports exit 1."""
+    wants_traceback = os.environ.get(FULL_ERROR) == "1"
+    try:
+        with _environment(FULL_ERROR, "1"):
+            app()
+    except CONFIG_MISTAKES as error:
+        if wants_traceback:
+            raise
+        _leave(error, ExitCode.CONFIG_REJECTED)
+    except CompactHydraException as error:  # a message, not a bug (a failed job of a sweep)
+        if wants_traceback:
+            raise
+        _leave(error, ExitCode.FAILED)
+
+
+def describe(error: CompactHydraException) -> str:
+    """Hydra's message and, when OmegaConf caused it, OmegaConf's reason (its first line: the
+    lines after it repeat the key and name internal types)."""
+    cause = error.__cause__
+    if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
+        return f"{error}: {str(cause).strip().splitlines()[0]}"
+    return str(error)
+
+
+def _leave(error: CompactHydraException, code: ExitCode) -> NoReturn:
+    print(f"error: {describe(error)}", file=sys.stderr, flush=True)
+    raise SystemExit(code) from None
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

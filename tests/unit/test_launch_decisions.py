@@ -1,0 +1,69 @@
+"""framework/launch/start.py: how a run's ranks start, for every way this process can have been
+started and every launcher (the end-to-end runs of each path are in tests/integration/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from framework.core.launch_context import detect
+from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start
+from tests.conftest import make_cfg
+
+TORCHRUN_RANK_0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "j"}
+TORCHRUN_RANK_1 = {**TORCHRUN_RANK_0, "RANK": "1", "LOCAL_RANK": "1"}
+
+
+def slurm_task(monkeypatch: pytest.MonkeyPatch, rank: int) -> dict[str, str]:
+    """A task of a 2-task SLURM job as submitit sees it (submitit reads os.environ)."""
+    variables = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": "41",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_NODELIST": "node1",
+    }
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    return variables
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], Start.LOCAL_RANKS),  # the default: 2 local ranks
+        (["launcher.nproc_per_node=1"], Start.IN_PROCESS),
+        (["launcher=torchrun"], Start.TORCHRUN_AGENT),
+        (["launcher=torchrun", "launcher.nproc_per_node=1"], Start.TORCHRUN_AGENT),
+        # Outside a job: run_task refuses it with the fix (submit through Hydra's multirun).
+        (["launcher=slurm"], Start.SLURM_TASK),
+        (["launcher=slurm_local"], Start.SLURM_TASK),
+    ],
+)
+def test_a_typed_command_starts_ranks_as_its_launcher_says(overrides, expected):
+    cfg = make_cfg(*overrides)
+    assert how_ranks_start(cfg.launcher, detect({})) is expected
+
+
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+@pytest.mark.parametrize("environ", [TORCHRUN_RANK_0, TORCHRUN_RANK_1], ids=["rank0", "rank1"])
+def test_under_an_external_torchrun_this_process_is_the_rank(launcher, environ):
+    cfg = make_cfg(f"launcher={launcher}")
+    here = detect(environ)
+    assert how_ranks_start(cfg.launcher, here) is Start.EXTERNAL_TORCHRUN_RANK
+    assert not adopts_rank_zero_config(here)  # every torchrun rank checks the config itself
+
+
+def test_a_slurm_task_of_rank_0_is_the_job_and_checks_the_config(monkeypatch):
+    here = detect(slurm_task(monkeypatch, rank=0))
+    assert not adopts_rank_zero_config(here)
+    assert how_ranks_start(make_cfg("launcher=slurm").launcher, here) is Start.SLURM_TASK
+
+
+def test_a_slurm_task_of_rank_1_adopts_rank_0s_config_without_reading_its_own(monkeypatch):
+    here = detect(slurm_task(monkeypatch, rank=1))
+    assert adopts_rank_zero_config(here)
+    # Decided from the launch context alone: the launcher node is not read (rank 0's comes later).
+    assert how_ranks_start(None, here) is Start.SLURM_FOLLOWER
