@@ -145,7 +145,7 @@ class WandbSink(_Guarded):
         # known secret still be in argv (another entry point), the metadata is left out.
         argv_leaks = redact(sys.argv, known_secrets()) != sys.argv
         settings = wandb.Settings(save_code=False, x_disable_meta=argv_leaks)
-        mode = os.environ.get("WANDB_MODE") or mode
+        mode = os.environ.get("WANDB_MODE") or str(mode)  # (the schema's enum, as wandb's string)
         if mode == "auto":
             mode = "online" if wandb_has_credentials() else "offline"
         # W&B run ids are short lowercase alphanumerics; a restart continues the saved one.
