@@ -11,9 +11,9 @@ Contenders, alternated round by round:
 - external torchrun:  torchrun --nproc_per_node=2 -m framework.train trainer.max_steps=1
 - plain torchrun:     torchrun --nproc_per_node=2 benchmarks/plain_torchrun.py (a hand-written
                       DDP loop on the same work, 1 step)
-Target: train's whole command within 1.5x the floor. Rank 0's "start-up:" line (framework/
-startup.py) gives train's breakdown: imports, compose, start ranks, process group, data, model,
-setup, first step; "exit" is the rest of the command.
+Target: train's whole command within 1.5x the floor. Rank 0's "start-up:" line
+(framework/core/startup_clock.py) gives train's breakdown: imports, compose, start ranks, process
+group, data, model, setup, first step; "exit" is the rest of the command.
 """
 
 from __future__ import annotations
