@@ -36,6 +36,10 @@ DIST_ENV_VARS = (
     "SUBMITIT_EXECUTOR",
 )
 
+# A user's own settings for the libraries a run uses: W&B's dir and mode, MLflow's store, Hydra's
+# tracebacks. Tests that need one set it themselves.
+USER_SETTINGS = ("WANDB_", "MLFLOW_", "HYDRA_FULL_ERROR", "FRAMEWORK_CONFIG_PATH")
+
 
 def make_cfg(*overrides: str) -> DictConfig:
     """The composed app config, exactly as `train` would see it (minus Hydra's own node)."""
@@ -154,6 +158,8 @@ def pytest_configure(config) -> None:
     worker starts its own."""
     for name in DIST_ENV_VARS:
         os.environ.pop(name, None)
+    for name in [name for name in os.environ if name.startswith(USER_SETTINGS)]:
+        os.environ.pop(name)  # the tests set what they test, whatever the user exported
     if _is_xdist_controller(config):
         return
     forkserver.warm_up()
