@@ -5,6 +5,7 @@ config once (Hydra), hands it to the launcher and turns how the run ended into a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -32,7 +33,7 @@ from framework.core.exits import (
 )
 from framework.launch import forkserver
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start, start
-from framework.storage.run_dir import RunDir, throwaway_dir
+from framework.storage.run_dir import RunDir, is_throwaway, throwaway_dir
 
 # Every way into the app (the console script, `python -m framework.train`, a SLURM task unpickling
 # hydra_app) imports this module before Hydra composes or resolves anything.
@@ -58,7 +59,8 @@ def hydra_app(cfg: DictConfig) -> float | None:
         if sweep_job:
             join_sweep(cfg, RunDir(run_dir), hydra_cfg)
         OmegaConf.resolve(cfg)
-        summary = start(how_ranks_start(cfg.launcher, here), cfg, run_dir)
+        with contextlib.nullcontext() if is_throwaway(run_dir) else RunDir(run_dir).held():
+            summary = start(how_ranks_start(cfg.launcher, here), cfg, run_dir)
     except Stopped as stop:  # rank 0 said where the checkpoint is
         raise SystemExit(stop.exit_code) from None  # a stop (Ctrl-C) ends a whole sweep too
     except (Rejected, NonFiniteLoss, WorkerFailed) as error:

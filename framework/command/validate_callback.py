@@ -27,10 +27,12 @@ class ValidateBeforeRun(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)
+        run = RunDir(Path(config.hydra.run.dir))
         try:
-            RunDir(Path(config.hydra.run.dir)).check_reusable(config, sweep_job=False)
+            run.check_reusable(config, sweep_job=False)
         except ConfigError as error:
             end(error)
+        run.note_missing_folders()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)
@@ -41,9 +43,13 @@ class ValidateBeforeRun(Callback):
         redact_multirun_master(config)  # the sweeper saves it next, as multirun.yaml
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if self.output_subdir is None or launch_context.current().is_follower:  # rank 0 writes it
+        if launch_context.current().is_follower:  # rank 0 writes the record
             return
-        record = Path(config.hydra.runtime.output_dir, self.output_subdir)
+        run = RunDir(Path(config.hydra.runtime.output_dir))
+        run.note_start()
+        if self.output_subdir is None or run.is_foreign():  # (a foreign dir is refused next)
+            return
+        record = run.path / self.output_subdir
         # A resumed run dir keeps the record of the command that created it: a resume that is
         # then refused must not have changed anything.
         if not (record / "config.yaml").exists():

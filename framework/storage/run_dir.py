@@ -10,14 +10,26 @@ writes here.
     train.log        rank 0's console log
     curves.png       the curves of metrics.jsonl
     checkpoints/     step_<N>.pt + .json, last.pt (framework/storage/checkpoint.py)
+    .lock            held by the run's rank 0 while it runs: a second run here is refused
+
+Nothing of a user's is ever removed: a start that is refused removes only a dir that was empty
+when it began (its own), and a dir that holds files but no run is refused before anything is
+written into it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import errno
+import fcntl
 import json
+import logging
+import os
 import shutil
+import socket
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +40,13 @@ from framework.core import launch_context
 from framework.core.exits import ConfigError
 from framework.storage.checkpoint import atomic_write, step_files
 
+log = logging.getLogger("framework")
+
 THROWAWAY_PREFIX = "framework-rank"  # the temporary Hydra dir of torchrun ranks > 0
+# Run dirs that were empty when this process began a run in them: only those may be removed.
+_BEGUN_EMPTY: set[Path] = set()
+# Folders that did not exist before this process's run: Hydra makes them (outputs/<date>/...).
+_MADE_FOR_RUNS: set[Path] = set()
 
 
 @dataclass(frozen=True)
@@ -63,9 +81,19 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
+    @property
+    def lock(self) -> Path:
+        return self.path / ".lock"
+
     # --- accept or refuse ---------------------------------------------------------------------
     def holds_run(self) -> bool:
         return self.metrics.exists() or self.summary.exists()
+
+    def is_foreign(self) -> bool:
+        """Holds files but no run: not a run dir of ours (a user's folder)."""
+        if not self.path.is_dir() or not any(self.path.iterdir()):
+            return False
+        return not (self.lock.exists() or self.holds_run() or step_files(self.checkpoints))
 
     def continues(self, cfg: DictConfig) -> bool:
         """A run dir with a run in it is only reused to resume it: from its checkpoints, or as
@@ -76,9 +104,8 @@ class RunDir:
         return launch_context.current().restarted() or bool(step_files(self.checkpoints))
 
     def check_reusable(self, cfg: DictConfig, sweep_job: bool) -> None:
-        """Refuse a dir that holds a run this config would not continue: it stays untouched."""
-        if not self.holds_run() or self.continues(cfg):
-            return
+        """Refuse a dir that holds a run this config would not continue, or files that are not
+        a run's: it stays untouched."""
         where, fix = (
             (str(self.path), "Choose a new hydra.sweep.dir")
             if sweep_job
@@ -87,6 +114,14 @@ class RunDir:
                 "Choose a new hydra.run.dir (or leave it unset for a fresh timestamped dir)",
             )
         )
+        if self.is_foreign():
+            names = sorted(entry.name for entry in self.path.iterdir())
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise ConfigError(
+                f"{where} holds files that are not a run's ({shown}); it is left untouched. {fix}"
+            )
+        if not self.holds_run() or self.continues(cfg):
+            return
         raise ConfigError(
             f"{where} already holds a run with no checkpoint to continue from (or "
             f"checkpoint.resume=never); it is left untouched. {fix}"
@@ -120,21 +155,69 @@ class RunDir:
             return f"To continue, run the same command with hydra.sweep.dir={self.path.parent}"
         return f"To continue, run the same command with hydra.run.dir={self.path}"
 
+    def note_missing_folders(self) -> None:
+        """Before Hydra makes the run dir: the folders it will make for it (the dated parents
+        of outputs/<date>/<time>), which a rejected start may remove again."""
+        for folder in (self.path, *self.path.parents):
+            if folder.exists():
+                break
+            _MADE_FOR_RUNS.add(folder.resolve())
+
+    def note_start(self) -> None:
+        """At the start of a job, before anything is written into the dir (Hydra has only
+        made it): whether it is empty, so this start's own, which `discard` may remove."""
+        if self.path.is_dir() and not any(self.path.iterdir()):
+            _BEGUN_EMPTY.add(self.path.resolve())
+
     def discard(self, sweep_job: bool = False) -> None:
-        """After a rejected config: remove what this run wrote, and the dir if nothing else is
-        in it. A dir that holds an earlier run (a refused resume) keeps everything; a sweep's
+        """After a rejected start: remove the run dir if this start made it (it was empty when
+        the start began) and it holds no checkpoint, then the folders Hydra made for it while they
+        are empty. Any other dir keeps everything (a refused resume, a user's folder); a sweep's
         dir and its parents stay (the sweep's other jobs and summary go there)."""
-        if self.metrics.exists() or self.checkpoints.exists():
+        path = self.path.resolve()
+        if path not in _BEGUN_EMPTY or step_files(self.checkpoints):
             return
-        shutil.rmtree(self.record, ignore_errors=True)
-        for name in (self.config, self.log):
-            name.unlink(missing_ok=True)
-        # The run dir, then the dated folders Hydra made for it, while they are empty.
-        for folder in (self.path,) if sweep_job else (self.path, *self.path.parents):
+        if path == Path.cwd().resolve():  # an empty working dir the user ran in: empty it again
+            for entry in path.iterdir():
+                shutil.rmtree(
+                    entry
+                ) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            return
+        shutil.rmtree(path, ignore_errors=True)
+        for folder in () if sweep_job else path.parents:
             with contextlib.suppress(OSError):  # another process may have removed or filled it
-                if not folder.is_dir() or any(folder.iterdir()) or folder == Path.cwd():
+                if folder not in _MADE_FOR_RUNS or any(folder.iterdir()):
                     break
                 folder.rmdir()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the run dir for the run's life: a second run here is refused, naming this one.
+        The OS releases the lock when this process dies, so a restart of the same job (torchrun,
+        a SLURM requeue) takes it again."""
+        handle = open(self.lock, "a+")  # noqa: SIM115 (held open for the run's life)
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self.lock.read_text().strip() or "another process"
+                raise ConfigError(
+                    f"hydra.run.dir={self.path} is in use by another run ({holder}); nothing was "
+                    "changed. Wait for it to end, or choose another hydra.run.dir"
+                ) from None
+            except OSError as error:  # a file system without locks (some cluster mounts)
+                if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                log.warning(
+                    "%s cannot be locked (%s): a second run is not refused", self.lock, error
+                )
+            handle.truncate(0)
+            started = datetime.datetime.now().isoformat(timespec="seconds")
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n")
+            handle.flush()
+            yield
+        finally:
+            handle.close()
 
 
 def _event_step(line: str) -> float:
