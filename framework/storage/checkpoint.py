@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle
 import random
@@ -239,12 +240,20 @@ def write_best(
     ranked = sorted(
         step_files(directory / "best"),
         reverse=maximize,
-        key=lambda found: json.loads(found[1].with_suffix(".json").read_text())["score"],
+        key=lambda found: _score(found[1], maximize),
     )
     for _, worse in ranked[keep:]:
         _drop(worse)
     _point(directory / "best.pt", f"best/{ranked[0][1].name}")
     return path
+
+
+def _score(path: Path, maximize: bool) -> float:
+    """A best checkpoint's score; one whose sidecar is damaged ranks last (it is dropped first)."""
+    try:
+        return float(_read_sidecar(path.with_suffix(".json"))["score"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return -math.inf if maximize else math.inf
 
 
 def read(path: Path) -> dict[str, Any]:
@@ -254,7 +263,7 @@ def read(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} does not exist")
     sidecar = path.resolve().with_suffix(".json")
     if sidecar.is_file():  # absent for a file copied on its own: torch.load still checks it
-        expected = json.loads(sidecar.read_text())
+        expected = _read_sidecar(sidecar)
         size = path.stat().st_size
         if size != expected["bytes"] or _sha256(path) != expected["sha256"]:
             raise CheckpointError(
@@ -280,13 +289,38 @@ def read(path: Path) -> dict[str, Any]:
     return payload
 
 
+def _read_sidecar(sidecar: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(sidecar.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"checkpoint sidecar {sidecar} is damaged ({error})") from None
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("bytes"), int)
+        and isinstance(record.get("sha256"), str)
+    ):
+        raise CheckpointError(f"checkpoint sidecar {sidecar} is damaged (no size or checksum)")
+    return record
+
+
 def newest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that reads back; broken ones are skipped with a warning."""
-    for _, path in step_files(directory):
+    """The newest checkpoint that reads back; broken ones are skipped with a warning. None when
+    there is none; CheckpointError when there are checkpoints and none reads back (starting
+    again from step 0 would lose the run)."""
+    found = step_files(directory)
+    problems = []
+    for _, path in found:
         try:
             return path, read(path)
         except CheckpointError as error:
             log.warning("%s; falling back to the previous checkpoint", error)
+            problems.append(str(error))
+    if found:
+        raise CheckpointError(
+            f"none of the {len(found)} checkpoints in {directory} reads back ({problems[0]}"
+            f"{' ...' if len(problems) > 1 else ''}); nothing was changed. Resume from a copy "
+            "with checkpoint.resume=<file>, or start over in a new hydra.run.dir"
+        )
     return None
 
 

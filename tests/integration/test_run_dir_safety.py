@@ -72,3 +72,20 @@ def test_a_second_run_in_a_run_dir_in_use_is_refused_naming_the_holder(cli, tmp_
     third = cli(*ONE_RANK, "trainer.max_steps=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert third.returncode == 0, third.stderr[-2000:]  # released: it resumes
     assert "resum" in third.stderr
+
+
+@pytest.mark.slow
+def test_when_every_checkpoint_is_unreadable_a_resume_is_refused_and_nothing_changes(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    first = cli(*ONE_RANK, f"hydra.run.dir={run_dir}", "checkpoint.final=false", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    for checkpoint in (run_dir / "checkpoints").glob("step_*.pt"):
+        checkpoint.write_bytes(checkpoint.read_bytes()[:100])  # truncated by a full disk
+    before = files_of(run_dir)
+    before.pop(run_dir / "train.log"), before.pop(run_dir / ".lock")
+    again = cli(*ONE_RANK, "trainer.max_steps=4", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert again.returncode == 2
+    assert "none of the 2 checkpoints" in again.stderr and "nothing was changed" in again.stderr
+    after = files_of(run_dir)
+    after.pop(run_dir / "train.log"), after.pop(run_dir / ".lock")  # (this attempt's own lines)
+    assert after == before  # the metrics of steps 1-2 are still there: no restart from step 0

@@ -68,6 +68,30 @@ def test_a_broken_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
     assert "step_00000008.pt" in caplog.text and "falling back" in caplog.text
 
 
+@pytest.mark.parametrize("sidecar", ["", "{not json", '{"format": 1}', "[1, 2]"])
+def test_a_damaged_sidecar_is_skipped_like_a_damaged_checkpoint(tmp_path, sidecar, caplog):
+    write(tmp_path, 4, payload(4), keep=3)
+    write(tmp_path, 8, payload(8), keep=3)
+    (tmp_path / "step_00000008.json").write_text(sidecar)
+    with pytest.raises(CheckpointError, match=r"sidecar .*step_00000008\.json is damaged"):
+        read(tmp_path / "step_00000008.pt")
+    path, loaded = newest_valid(tmp_path)
+    assert path.name == "step_00000004.pt" and loaded["step"] == 4
+    assert "falling back" in caplog.text
+
+
+def test_when_no_checkpoint_reads_back_resume_is_refused_not_restarted_from_step_0(tmp_path):
+    write(tmp_path, 4, payload(4), keep=3)
+    write(tmp_path, 8, payload(8), keep=3)
+    break_file(tmp_path / "step_00000004.pt", "truncated")
+    (tmp_path / "step_00000008.json").write_text("{")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with pytest.raises(CheckpointError, match=r"none of the 2 checkpoints in .* reads back"):
+        newest_valid(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert newest_valid(tmp_path / "nothing-here") is None  # no checkpoint: a fresh start
+
+
 def test_a_checkpoint_copied_without_its_checksum_file_still_loads_and_is_still_checked(tmp_path):
     write(tmp_path, 3, payload(3), keep=1)
     copy = tmp_path / "copy.pt"
