@@ -31,7 +31,7 @@ from framework.core.exits import (
     WorkerFailed,
     end,
 )
-from framework.launch import forkserver
+from framework.launch import forkserver, launcher_watch
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start, start
 from framework.storage.run_dir import RunDir, is_throwaway, throwaway_dir
 
@@ -86,6 +86,8 @@ def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:
 def main() -> None:
     startup_clock.mark("imports")
     here = launch_context.current()
+    if isinstance(here, launch_context.TorchElastic):  # a rank of an external torchrun
+        launcher_watch.leave_with(os.getppid())  # its agent: no rank outlives it
     forkserver.warm_up_if_forking(sys.argv[1:])  # (already running when cli.py started it)
     # Hydra instantiates its own node (callbacks, launcher, sweeper, logging factories) before
     # any callback of ours can look at it: check the command line before Hydra starts.

@@ -20,6 +20,7 @@ import sys
 from multiprocessing import reduction
 
 from framework.core import launch_context, startup_clock
+from framework.launch import launcher_watch
 
 START_METHOD = "forkserver"
 # What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
@@ -101,18 +102,21 @@ def _received_fd(duplicate) -> int:
 def launcher_context() -> tuple[dict[str, str], str, list[_LaunchersFd]]:
     """What a rank takes over from the process that starts it: environment, working dir,
     stdout and stderr."""
-    return dict(os.environ), os.getcwd(), [_LaunchersFd(1), _LaunchersFd(2)]
+    environ = {**os.environ, launcher_watch.LAUNCHER_PID: str(os.getpid())}
+    return environ, os.getcwd(), [_LaunchersFd(1), _LaunchersFd(2)]
 
 
 def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
     """In the rank, first thing: the launcher's environment, working dir and output streams,
-    plus what was set in this process since its fork (the elastic agent's variables)."""
+    plus what was set in this process since its fork (the elastic agent's variables). From
+    now on it ends when the launcher does (framework/launch/launcher_watch.py)."""
     set_since_fork = {
         name: value for name, value in os.environ.items() if _SERVER_ENVIRON.get(name) != value
     }
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(set_since_fork)
+    launcher_watch.leave_with(int(environ[launcher_watch.LAUNCHER_PID]))
     # A fork server's child inherits its start method: the rank's DataLoader workers would each
     # start from a new fork server that imports torch from scratch (seconds per rank). They
     # start as in a process started directly (the platform's default: fork on Linux).

@@ -3,8 +3,10 @@ Ctrl-C. Each is a real multi-process job started from the command line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -241,3 +243,59 @@ def test_an_explicit_checkpoint_that_is_broken_or_from_another_model_is_one_clea
         result.stderr
     ), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+# Long enough to train for minutes unsupervised if the ranks did not notice their launcher's death.
+ENDLESS = ("trainer.max_steps=200000", "checkpoint.every=0", "trainer.log_every=100")
+
+
+def assert_no_process_left_within(seconds: float, tmp_path: Path) -> None:
+    deadline = time.monotonic() + seconds
+    while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for process in Path("/proc").glob("[0-9]*") if left else ():  # clean up before failing
+        with contextlib.suppress(OSError):
+            if os.readlink(process / "cwd").startswith(str(tmp_path)):
+                os.kill(int(process.name), signal.SIGKILL)
+    assert not left, f"still running after the launcher died: {left}"
+
+
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_ranks_stop_and_save_when_train_is_sigkilled(tmp_path, launcher):
+    """The OOM killer or a closed terminal ends `train` with SIGKILL: its ranks notice within
+    seconds, stop as on SIGTERM (saving), and leave (framework/launch/launcher_watch.py)."""
+    run_dir = tmp_path / "run"
+    try:
+        result = run_cli(
+            *FAULTS,
+            *ENDLESS,
+            f"launcher={launcher}",
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+            env={FAULT_ENV: "parent-SIGKILL:0:5"},
+            timeout=120,  # the ranks hold its output pipes: it returns once they are gone
+        )
+    finally:
+        assert_no_process_left_within(20, tmp_path)
+    assert result.returncode == -9
+    assert "the launcher (pid" in result.stderr and "is gone" in result.stderr
+    step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
+    assert 5 <= step < 200000
+
+
+def test_ranks_of_an_external_torchrun_leave_when_its_agent_is_sigkilled(tmp_path):
+    run_dir = tmp_path / "run"
+    try:
+        result = torchrun_script(
+            *FAULTS,
+            *ENDLESS,
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+            fault="parent-SIGKILL:0:5",
+            timeout=120,
+        )
+    finally:
+        assert_no_process_left_within(20, tmp_path)
+    assert result.returncode == -9
+    assert "the launcher (pid" in result.stderr
+    assert (run_dir / "checkpoints" / "last.pt").exists()
