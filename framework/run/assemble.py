@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import random
 from collections.abc import Iterator
@@ -43,19 +42,20 @@ from framework.core.distributed import (
     process_group,
     wrap_ddp,
 )
-from framework.core.exits import CheckpointError, ConfigError, NonFiniteLoss, Stopped
+from framework.core.exits import ConfigError, NonFiniteLoss, Stopped
 from framework.core.launch_context import DistEnv
-from framework.run.loop import Model, Optimization, Runner, evaluate, planned_steps
+from framework.run.evaluation import evaluate_checkpoint
+from framework.run.loop import Outputs, Runner, planned_steps
 from framework.run.plots import plot_run, save_image_grid, try_plot
-from framework.run.stopping import StopRequests
+from framework.run.selection import Selection
+from framework.run.state import Model, Optimization
+from framework.run.stopping import SignalExchange, StopRequests
 from framework.storage.checkpoint import (
     Checkpointer,
-    check_model_keys,
     restore_rng,
     rng_state,
     training_settings,
 )
-from framework.storage.checkpoint import read as read_checkpoint
 from framework.storage.run_dir import RunDir
 
 log = logging.getLogger("framework")
@@ -158,20 +158,23 @@ def _train(
     )
     checkpointer.logger_ids = sink.run_ids
     try:
+        trainer = SimpleNamespace(**OmegaConf.to_container(t))
         runner = Runner(
             env=env,
             device=device,
-            trainer=SimpleNamespace(**OmegaConf.to_container(t)),
+            trainer=trainer,
             task=task,
             model=model,
-            loaders=loaders,
             optimization=optimization,
-            sink=sink,
-            checkpointer=checkpointer,
-            stop_requests=requests,
-            control_group=host_group(env, backend),
-            monitor=resolve_monitor(cfg.objective, task.directions()),
-            profile_dir=run.path / "profile",
+            loaders=loaders,
+            outputs=Outputs(sink, checkpointer, profile_dir=run.path / "profile"),
+            selection=Selection.build(
+                resolve_monitor(cfg.objective, task.directions()),
+                keep_best=cfg.checkpoint.best,
+                early_stopping=trainer.early_stopping,
+            ),
+            # Stop signals travel on a CPU (gloo) group, also when training uses NCCL.
+            signals=SignalExchange(env, requests, host_group(env, backend)),
         )
         if resumed:
             path, payload = resumed
@@ -185,7 +188,7 @@ def _train(
         summary.update(objective=objective, objective_direction=direction)
         sink.summary(summary)
         if env.is_main:
-            made = write_artifacts(task, runner.evaluated_model(), splits, loaders, device, run)
+            made = write_artifacts(task, model.evaluated, splits, loaders, device, run)
             try_plot(plot_run, run.path)
             sink.add_files([*made, run.curves] if run.curves.exists() else made)
     finally:
@@ -199,118 +202,6 @@ def _train(
 def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
     """A checkpoint at the planned last step, or of a run that early stopping ended."""
     return payload["step"] >= total_steps or bool(payload["trainer"].get("stopped_early"))
-
-
-# Settings that change which examples or weights an evaluation sees; loader settings do not.
-EVAL_MUST_MATCH = ("task.", "model.", "data.")
-EVAL_MAY_DIFFER = (
-    "data.batch_size",
-    "data.eval_batch_size",
-    "data.num_workers",
-    "data.pin_memory",
-    "data.persistent_workers",
-    "data.shuffle",
-    "data.drop_last",
-    "data.root",
-    "data.download",
-)
-
-
-def evaluate_checkpoint(
-    cfg: DictConfig,
-    run: RunDir,
-    env: DistEnv,
-    device: torch.device,
-    task: Task,
-    loaders: Loaders,
-    model: Model,
-) -> dict[str, Any] | None:
-    """mode=eval: the checkpoint's weights (its EMA's with trainer.ema_decay) on eval.split,
-    reduced exactly over the ranks, into this run dir (inside the checkpoint's run dir)."""
-    split = cfg.eval.split
-    loader = loaders.val if split == "val" else loaders.test
-    if loader is None:
-        raise ConfigError(
-            f"eval.split=test: data={cfg.data._target_} has no test split here "
-            "(set data.test_fraction, for the data options that have one)"
-        )
-    path = Path(cfg.checkpoint.resume).expanduser()
-    payload = read_checkpoint(path)
-    _check_same_experiment(path, payload, redacted_container(cfg))
-    evaluated = model.ema.module if model.ema is not None and payload["ema"] else model.module
-    check_model_keys(path, payload["ema" if evaluated is not model.module else "model"], evaluated)
-    evaluated.load_state_dict(payload["ema" if evaluated is not model.module else "model"])
-    precision = instantiate(cfg.precision)(device=device)
-    metrics = evaluate(
-        task,
-        evaluated,
-        loader,
-        precision,
-        lambda batch: to_device(batch, device, cfg.trainer.channels_last),
-        split,
-    )
-    if not env.is_main:
-        return None
-    name, direction = resolve_objective(cfg.objective, task.directions())
-    summary = {
-        "mode": "eval",
-        "checkpoint": str(path.resolve()),
-        "step": payload["step"],
-        "split": split,
-        **metrics,
-        "world_size": env.world_size,
-        "objective": name.replace("val/", f"{split}/", 1),
-        "objective_direction": direction,
-    }
-    run.save_config(redacted_container(cfg))
-    run.summary.write_text(json.dumps(summary, indent=2) + "\n")
-    values = " ".join(f"{key}={value:.4f}" for key, value in metrics.items())
-    log.info(
-        "done: evaluated %s (step %d) on %s: %s run_dir=%s",
-        path,
-        payload["step"],
-        split,
-        values,
-        run.path,
-    )
-    return summary
-
-
-def _check_same_experiment(path: Path, payload: dict[str, Any], record: dict[str, Any]) -> None:
-    """The task, model and data settings must be the training run's: the keys differing are
-    named, with the overrides the run was started with (its .hydra/overrides.yaml)."""
-    now = training_settings(record)
-    differing = sorted(
-        key
-        for key in payload["config"].keys() | now.keys()
-        if key.startswith(EVAL_MUST_MATCH)
-        and not key.startswith(EVAL_MAY_DIFFER)
-        and payload["config"].get(key) != now.get(key)
-    )
-    if not differing:
-        return
-    shown = "; ".join(
-        f"{key}: {payload['config'].get(key, '(absent)')} in the checkpoint, "
-        f"{now.get(key, '(absent)')} now"
-        for key in differing[:4]
-    )
-    overrides = next(
-        (
-            folder / ".hydra" / "overrides.yaml"
-            for folder in path.resolve().parents
-            if (folder / ".hydra" / "overrides.yaml").exists()
-        ),
-        None,
-    )
-    started = (
-        f" (the run was started with: {' '.join(OmegaConf.load(overrides))})"
-        if overrides is not None
-        else ""
-    )
-    raise CheckpointError(
-        f"{path} was trained with other task, model or data settings: "
-        f"{shown}. Evaluate with the training command's settings{started}"
-    )
 
 
 def final_line(summary: dict[str, Any], task: Task, run: RunDir) -> str:

@@ -1,88 +1,60 @@
-"""The one training loop: fit() -> train_step() / evaluate() -> metric sinks."""
+"""The one training loop: fit() -> train_step() / evaluation -> checkpoints and metric sinks.
+
+The Runner is handed the run's parts already built (framework/run/assemble.py): the model and
+optimization bundles and the state a checkpoint holds (state.py), the loaders, where results go
+(`Outputs`), what evaluations decide (selection.py) and the stop-signal exchange (stopping.py).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
-import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from framework.components.comm import Comm
 from framework.components.data import Loaders, to_device
-from framework.components.ema import EMA
 from framework.components.loggers import MetricSink
-from framework.components.precision import Precision
 from framework.components.tasks import Task
 from framework.components.tasks.base import Count
 from framework.core import startup_clock
-from framework.core.distributed import all_reduce_sum, broadcast_object
+from framework.core.distributed import all_reduce_sum
 from framework.core.exits import ReplicasDiverged, Stopped
 from framework.core.launch_context import DistEnv
-from framework.run.stopping import NonFinitePolicy, NonFiniteWatch, SignalExchange, StopRequests
-from framework.storage.checkpoint import Checkpointer, check_model_keys, restore_rng, rng_state
-from framework.storage.checkpoint import read as read_checkpoint
+from framework.run.evaluation import evaluate
+from framework.run.selection import Selection
+from framework.run.state import (
+    FlatStates,
+    LoaderPosition,
+    Model,
+    Optimization,
+    RNGStreams,
+    StateRegistry,
+    TrainState,
+)
+from framework.run.stopping import NonFinitePolicy, NonFiniteWatch, SignalExchange
+from framework.storage.checkpoint import Checkpointer, check_model_keys
 
 log = logging.getLogger("framework")
 
 
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class TrainState:
-    """Everything that advances as training goes; small and explicit."""
-
-    step: int = 0
-    epoch: int = 0
-    samples_seen: int = 0
-    train_seconds: float = 0.0
-    nonfinite_skipped: int = 0
-    best: list[list[float]] = dataclasses.field(default_factory=list)  # [score, step], best first
-    best_score: float | None = None  # the monitored metric's best so far (early stopping)
-    stale_evaluations: int = 0  # evaluations since it last improved by min_delta
-    stopped_early: str | None = None  # why, once early stopping ended the run
-
-    def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
-
-
 @dataclass(frozen=True)
-class Model:
-    """The model in its three roles."""
+class Outputs:
+    """Where a run's results go."""
 
-    train: nn.Module  # what forward/backward run on (DDP-wrapped, compiled)
-    module: nn.Module  # the bare model under it: its state_dict is what is saved
-    ema: EMA | None = None  # evaluated instead of `module` when set
-
-
-@dataclass(frozen=True)
-class Optimization:
-    optimizer: Optimizer
-    scheduler: LRScheduler
-    precision: Precision
-    comm: Comm
+    sink: MetricSink  # metrics, summary and files (a null sink on ranks > 0)
+    checkpointer: Checkpointer  # checkpoints/: periodic, final and best
+    profile_dir: Path | None = None  # where trainer.profile_steps' trace goes (rank 0)
 
 
 def micro_batch_groups(loader: Iterable, size: int) -> Iterator[list]:
@@ -95,9 +67,8 @@ def micro_batch_groups(loader: Iterable, size: int) -> Iterator[list]:
 class Runner:
     """fit() trains to the planned step, saving, logging and evaluating on the way.
 
-    What a checkpoint holds is the registry below: `shared` (identical on every rank; rank 0's
-    copy is saved) and `per_rank` (RNG streams, the loader's position, comm-hook memory). A new
-    stateful component is one entry with state_dict() / load_state_dict()."""
+    What a checkpoint holds is the registry `states` (state.py): a new stateful component is
+    one entry with state_dict() / load_state_dict()."""
 
     def __init__(
         self,
@@ -107,30 +78,24 @@ class Runner:
         trainer: SimpleNamespace,  # trainer.* as plain attributes (read every step)
         task: Task,
         model: Model,
-        loaders: Loaders,
         optimization: Optimization,
-        sink: MetricSink,
-        checkpointer: Checkpointer,
-        stop_requests: StopRequests,
-        control_group: dist.ProcessGroup | None = None,  # a CPU (gloo) group for stop signals
-        monitor: tuple[str, str] = ("val/loss", "min"),  # the metric best/early stopping follow
-        profile_dir: Path | None = None,  # where trainer.profile_steps' trace goes (rank 0)
+        loaders: Loaders,
+        outputs: Outputs,
+        selection: Selection,
+        signals: SignalExchange,
     ) -> None:
         self.env, self.device, self.cfg, self.task = env, device, trainer, task
-        self.model, self.module, self.ema = model.train, model.module, model.ema
-        self.params = list(model.module.parameters())  # walked every step: listed once
+        self.model, self.loaders, self.selection, self.signals = model, loaders, selection, signals
+        self.sink, self.checkpointer = outputs.sink, outputs.checkpointer
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
         self.precision, self.comm = optimization.precision, optimization.comm
-        self.train_loader, self.train_sampler = loaders.train, loaders.sampler
-        self.val_loader, self.test_loader = loaders.val, loaders.test
-        self.monitor, self.maximize = monitor[0], monitor[1] == "max"
-        self.profiler = _StepProfiler(trainer.profile_steps, profile_dir if env.is_main else None)
-        self._last_evaluation: tuple[int, dict[str, float]] | None = None
-        self.sink, self.checkpointer = sink, checkpointer
+        self.params = list(model.module.parameters())  # walked every step: listed once
         self.global_batch_size = loaders.train.batch_size * env.world_size * trainer.grad_accum
         self.steps_per_epoch = len(loaders.train) // trainer.grad_accum
         self.total_steps = planned_steps(trainer, self.steps_per_epoch)
-        self.signals = SignalExchange(env, stop_requests, control_group)
+        self.profiler = _StepProfiler(
+            trainer.profile_steps, outputs.profile_dir if env.is_main else None
+        )
         self.watch = NonFiniteWatch(env, device)
         self.nonfinite = NonFinitePolicy(trainer.on_nonfinite)
         # trainer.on_nonfinite=skip drops a step's update on the device where the optimizer
@@ -138,24 +103,27 @@ class Runner:
         self.skip_on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
         self._one = torch.ones((), device=device)  # the "scale" of the gradient check
         self._true = torch.ones((), dtype=torch.bool, device=device)
+        self._last_evaluation: tuple[int, dict[str, float]] | None = None
         self.state = TrainState()
         self.window = _Window(device, extras=task.train_sums)
-        self.rng = _RNGStreams()
-        self.position = _LoaderPosition(loaders.train.generator)
-        self.shared: dict[str, Stateful | None] = {
-            "model": self.module,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "precision": self.precision,
-            "ema": self.ema,
-            "trainer": self.state,
-        }
-        self.per_rank: dict[str, Stateful] = {
-            "rng": self.rng,
-            "loader_generator": self.position,
-            "comm": self.comm,
-            "window": self.window,
-        }
+        self.rng = RNGStreams()
+        self.position = LoaderPosition(loaders.train.generator)
+        self.states = StateRegistry(
+            shared={  # identical on every rank: rank 0's copy is saved
+                "model": model.module,
+                "optimizer": self.optimizer,
+                "scheduler": self.scheduler,
+                "precision": self.precision,
+                "ema": model.ema,
+                "trainer": FlatStates(self.state, selection),
+            },
+            per_rank={
+                "rng": self.rng,
+                "loader_generator": self.position,
+                "comm": self.comm,
+                "window": self.window,
+            },
+        )
 
     # --- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -176,72 +144,70 @@ class Runner:
         return self.summary({**final, **self.test()}, wall_s=time.perf_counter() - started)
 
     def _train_loop(self) -> str | None:
-        """Steps until the plan is done, every rank agreed on a stop signal (returned), or
-        early stopping ended the run."""
-        progress = tqdm(
+        """Steps until the plan is done, early stopping ended the run, or every rank agreed on
+        a stop signal (returned)."""
+        progress = self._progress_bar()
+        self.window.resume()
+        first_step = self.state.step + 1
+        batches = self._step_batches()
+        agreed_signal = None
+        while not self.done():
+            micro_batches = next(batches)
+            lr = self.optimizer.param_groups[0]["lr"]  # before train_step moves the schedule
+            self.profiler.before(self.state.step + 1)
+            step_totals, agreed_signal = self.train_step(micro_batches)
+            self.state.step += 1
+            self.profiler.after(self.state.step)
+            if self.state.step == first_step:
+                self._log_startup()
+            self.window.add(step_totals)
+            progress.update()
+            if self.logs_at(self.state.step):
+                self.log_train(lr)
+            if self.evaluates_at(self.state.step):
+                self.periodic_evaluation()
+            if self.saves_at(self.state.step, ending=bool(agreed_signal) or self.done()):
+                self.save_checkpoint()
+            if agreed_signal:
+                break
+        progress.close()
+        if self.selection.stopped_early and self.env.is_main:
+            log.warning("%s; stopping at step %d", self.selection.stopped_early, self.state.step)
+        return agreed_signal
+
+    def _step_batches(self) -> Iterator[list]:
+        """Each step's grad_accum micro-batches, epoch after epoch, from where the (resumed)
+        run stands."""
+        while True:
+            yield from micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum)
+            self.state.epoch += 1
+
+    def _epoch_batches(self) -> Iterator:
+        """This epoch's loader iterator, starting where the (resumed) run stands in it."""
+        done_in_epoch = self.state.step - self.state.epoch * self.steps_per_epoch
+        self.loaders.sampler.set_epoch(
+            self.state.epoch,
+            skip=done_in_epoch * self.cfg.grad_accum * self.loaders.train.batch_size,
+        )
+        self.position.start_epoch()  # iter() below draws from the loader's generator
+        batches = iter(self.loaders.train)
+        # After iter(): building the iterator must not consume the restored streams.
+        self.rng.apply_restored()
+        return batches
+
+    def _progress_bar(self) -> tqdm:
+        return tqdm(
             total=self.total_steps,
             initial=self.state.step,
             desc="train",
             disable=not (self.env.is_main and self.cfg.progress_bar and sys.stderr.isatty()),
         )
-        window = self.window
-        window.resume()
-        final_save = self.checkpointer.cfg.final
-        first_step = self.state.step + 1
-        stop_signal = None
-        while not self.done() and stop_signal is None:
-            for micro_batches in micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum):
-                lr = self.optimizer.param_groups[0]["lr"]
-                self.profiler.before(self.state.step + 1)
-                step_totals, agreed_signal = self.train_step(micro_batches)
-                self.state.step += 1
-                self.profiler.after(self.state.step)
-                if self.state.step == first_step:
-                    self._log_startup()
-                window.add(step_totals)
-                progress.update()
-                if self.logs_at(self.state.step):
-                    self.log_train(window, lr)
-                # The last step's evaluation is the final one, after the final save.
-                if (
-                    self.cfg.eval_every
-                    and self.state.step % self.cfg.eval_every == 0
-                    and not self.finished()
-                ):
-                    window.pause()
-                    self.after_evaluation(self.log_eval(), periodic=True)
-                    window.resume()
-                ending = agreed_signal or self.done()
-                if self.checkpointer.due(self.state.step) and not (ending and final_save):
-                    self.save_checkpoint()
-                if ending:
-                    stop_signal = agreed_signal
-                    break
-            else:
-                self.state.epoch += 1
-        progress.close()
-        if self.state.stopped_early and self.env.is_main:
-            log.warning("%s; stopping at step %d", self.state.stopped_early, self.state.step)
-        return stop_signal
 
     def _log_startup(self) -> None:
         startup_clock.mark("first step")
         line = startup_clock.summary()
         if line and self.env.is_main:
             log.info("start-up: %s", line)
-
-    def _epoch_batches(self) -> Iterator:
-        """This epoch's loader iterator, starting where the (resumed) run stands in it."""
-        done_in_epoch = self.state.step - self.state.epoch * self.steps_per_epoch
-        self.train_sampler.set_epoch(
-            self.state.epoch,
-            skip=done_in_epoch * self.cfg.grad_accum * self.train_loader.batch_size,
-        )
-        self.position.start_epoch()  # iter() below draws from the loader's generator
-        batches = iter(self.train_loader)
-        # After iter(): building the iterator must not consume the restored streams.
-        self.rng.apply_restored()
-        return batches
 
     def to_device(self, batch: Any) -> Any:
         return to_device(batch, self.device, self.cfg.channels_last)
@@ -251,8 +217,9 @@ class Runner:
         count, train sums...] for the log window (on the device; zeros when the update was
         dropped) and the stop signal every rank agreed on a step earlier. Reads nothing that the
         device computed: the step never waits for it."""
-        if not self.module.training:  # only after an evaluation: train() walks every module
-            self.model.train()
+        model = self.model.train  # DDP-wrapped, compiled: what forward and backward run on
+        if not self.model.module.training:  # only after an evaluation: train() walks every module
+            model.train()
         counts = [self.task.count(batch) for batch in micro_batches]
         scale = self._per_item(counts)
         totals = torch.zeros(2 + len(self.task.train_sums), dtype=torch.float64, device=self.device)
@@ -261,9 +228,9 @@ class Runner:
             batch = self.to_device(batch)
             # Only the last micro-batch synchronises gradients; the others accumulate locally.
             sync = index == last or not self.env.distributed
-            with contextlib.nullcontext() if sync else self.model.no_sync():
+            with contextlib.nullcontext() if sync else model.no_sync():
                 with self.precision.forward_context():
-                    loss = self.task.loss(self.model, batch)
+                    loss = self.task.loss(model, batch)
                 self.precision.backward(loss.total * scale)
             totals[0] += loss.total.detach()
             for position, name in enumerate(self.task.train_sums, start=2):
@@ -296,8 +263,8 @@ class Runner:
             applied = found_inf == 0
             if bool(applied):
                 self.precision.step(self.optimizer, self.params, clip)
-        if self.ema is not None:
-            self.ema.update(self.module, applied)
+        if self.model.ema is not None:
+            self.model.ema.update(self.model.module, applied)
         return applied
 
     def _per_item(self, counts: list[Count]) -> float | torch.Tensor:
@@ -338,6 +305,7 @@ class Runner:
             self.state.nonfinite_skipped += report.dropped
         return summed
 
+    # --- when ---------------------------------------------------------------------------------
     def epoch_of(self, step: int) -> int:
         return (step - 1) // max(self.steps_per_epoch, 1)
 
@@ -347,98 +315,66 @@ class Runner:
     def logs_at(self, step: int) -> bool:
         return step % self.cfg.log_every == 0 or step >= self.total_steps
 
+    def evaluates_at(self, step: int) -> bool:
+        """Every trainer.eval_every steps; the last step's evaluation is the final one, after
+        the final save."""
+        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0 and not self.finished()
+
+    def saves_at(self, step: int, ending: bool) -> bool:
+        """Every checkpoint.every steps; at the run's last step only when fit() does not save
+        there anyway (checkpoint.final)."""
+        return self.checkpointer.due(step) and not (ending and self.checkpointer.cfg.final)
+
     def finished(self) -> bool:
         return self.state.step >= self.total_steps
 
     def done(self) -> bool:
-        return self.finished() or self.state.stopped_early is not None
+        return self.finished() or self.selection.stopped_early is not None
 
-    def evaluate(self, loader: DataLoader | None = None, split: str = "val") -> dict[str, float]:
+    # --- evaluation -------------------------------------------------------------------------
+    def evaluate(self, loader: DataLoader, split: str) -> dict[str, float]:
         """The task's metrics over a whole split (`split/<metric>`), exact on any world size."""
         return evaluate(
-            self.task,
-            self.evaluated_model(),
-            loader or self.val_loader,
-            self.precision,
-            self.to_device,
-            split,
+            self.task, self.model.evaluated, loader, self.precision, self.to_device, split
         )
+
+    def periodic_evaluation(self) -> None:
+        self.window.pause()  # evaluation time is not training time
+        self.after_evaluation(self.log_eval(), periodic=True)
+        self.window.resume()
 
     def final_evaluation(self) -> dict[str, float]:
         """The end's evaluation; the last periodic one if it was at this very step (early
         stopping right after it), which is then not run or logged again."""
         if self._last_evaluation is not None and self._last_evaluation[0] == self.state.step:
             return self._last_evaluation[1]
-        metrics = self.evaluate()
-        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
+        metrics = self.evaluate(self.loaders.val, "val")
+        self.log_metrics(metrics)
         self.after_evaluation(metrics, periodic=False)
         return metrics
 
     def after_evaluation(self, metrics: dict[str, float], periodic: bool) -> None:
-        """Keep a best checkpoint (checkpoint.best) and count toward early stopping. Every rank
-        has the same metrics (one all-reduce), so every rank decides the same."""
+        """A best checkpoint (checkpoint.best) and early stopping: selection.py decides."""
         self._last_evaluation = (self.state.step, metrics)
-        score = metrics.get(self.monitor, math.nan)
-        if math.isnan(score):
-            return
-        keep = self.checkpointer.cfg.best
-        worst = self.state.best[-1][0] if len(self.state.best) >= keep > 0 else None
-        if keep and (worst is None or self._better(score, worst, 0.0)):
-            self.save_checkpoint(best=(score, self.maximize))
-            ranked = sorted(
-                [*self.state.best, [score, self.state.step]],
-                reverse=self.maximize,
-                key=lambda entry: entry[0],
-            )
-            self.state.best = ranked[:keep]
-        stopping = self.cfg.early_stopping
-        if not periodic or stopping["patience"] is None:
-            return
-        if self.state.best_score is None or self._better(
-            score, self.state.best_score, stopping["min_delta"]
-        ):
-            self.state.best_score, self.state.stale_evaluations = score, 0
-            return
-        self.state.stale_evaluations += 1
-        if self.state.stale_evaluations >= stopping["patience"]:
-            self.state.stopped_early = (
-                f"early stopping: {self.monitor} did not improve by {stopping['min_delta']:g} "
-                f"for {stopping['patience']} evaluations (best {self.state.best_score:.6g})"
-            )
-
-    def _better(self, score: float, than: float, by: float) -> bool:
-        return score > than + by if self.maximize else score < than - by
+        self.selection.after_evaluation(
+            self.state.step, metrics, periodic, save_best=self.save_best_checkpoint
+        )
 
     def test(self) -> dict[str, float]:
         """test/* metrics, when the data has a test split: with the best checkpoint's weights
         (checkpoint.best), else with the final ones."""
-        if self.test_loader is None:
+        if self.loaders.test is None:
             return {}
-        best = broadcast_object(self.checkpointer.best_path() if self.env.is_main else None)
-        if best is not None:
-            payload = read_checkpoint(best)
-            target = self.ema if self.ema is not None else self.module
-            target.load_state_dict(payload["ema" if self.ema is not None else "model"])
-        metrics = self.evaluate(self.test_loader, split="test")
-        source = f"best checkpoint ({best.resolve().name})" if best else "final weights"
-        self.sink.log(
-            {
-                "step": self.state.step,
-                "epoch": self.epochs_done(),
-                **metrics,
-                "test/weights": source,
-            }
-        )
+        source = self.selection.test_weights(self.checkpointer, self.env.is_main, self.model)
+        metrics = self.evaluate(self.loaders.test, "test")
+        self.log_metrics({**metrics, "test/weights": source})
         return {**metrics, "test/weights": source}
 
-    def evaluated_model(self) -> nn.Module:
-        """The weights evaluation uses: the EMA's when trainer.ema_decay is set."""
-        return self.ema.module if self.ema is not None else self.module
-
     # --- sinks ------------------------------------------------------------------------------
-    def log_train(self, window: _Window, lr: float) -> None:
+    def log_train(self, lr: float) -> None:
         # The window's sums over all ranks ride on the look's all-reduce: the logging step's
         # one collective and one read of the device.
+        window = self.window
         loss, count, *sums = self.look_for_nonfinite(rider=window.totals)
         per_item = {
             f"train/{name}": value / max(count, 1)
@@ -446,49 +382,47 @@ class Runner:
         }
         steps, seconds = window.steps, window.close()
         self.state.train_seconds += seconds
-        event = {
-            "step": self.state.step,
-            "epoch": self.epochs_done(),
-            "train/loss": loss / max(count, 1),
-            **per_item,
-            "lr": lr,
-            "samples_per_s": steps * self.global_batch_size / max(seconds, 1e-9),
-            "train/nonfinite_skipped": self.state.nonfinite_skipped,
-            **self.precision.metrics(),
-            **self.comm.metrics(),
-        }
-        self.sink.log(event)
+        self.log_metrics(
+            {
+                "train/loss": loss / max(count, 1),
+                **per_item,
+                "lr": lr,
+                "samples_per_s": steps * self.global_batch_size / max(seconds, 1e-9),
+                "train/nonfinite_skipped": self.state.nonfinite_skipped,
+                **self.precision.metrics(),
+                **self.comm.metrics(),
+            }
+        )
 
     def log_eval(self) -> dict[str, float]:
         self.look_for_nonfinite()
-        metrics = self.evaluate()
-        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
+        metrics = self.evaluate(self.loaders.val, "val")
+        self.log_metrics(metrics)
         return metrics
+
+    def log_metrics(self, metrics: dict[str, Any]) -> None:
+        self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
 
     # --- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, best: tuple[float, bool] | None = None) -> Path:
+        """Collective. `best`: (score, maximize) saves among the best checkpoints instead."""
         self.look_for_nonfinite()
 
         def shared() -> dict[str, Any]:  # built on rank 0 only
-            states = {
-                key: None if item is None else item.state_dict()
-                for key, item in self.shared.items()
-            }
-            return {**states, "steps_per_epoch": self.steps_per_epoch}
+            return {**self.states.shared_state_dict(), "steps_per_epoch": self.steps_per_epoch}
 
-        per_rank = {key: item.state_dict() for key, item in self.per_rank.items()}
-        return self.checkpointer.save(self.state.step, shared, per_rank, best=best)
+        return self.checkpointer.save(
+            self.state.step, shared, self.states.rank_state_dict(), best=best
+        )
+
+    def save_best_checkpoint(self, score: float) -> None:
+        self.save_checkpoint(best=(score, self.selection.maximize))
 
     def load_checkpoint(self, path: Path, payload: dict[str, Any]) -> None:
         """Restore every registered state; the RNG streams and the loader's position apply
         when fit() builds the epoch's iterator."""
-        check_model_keys(path, payload["model"], self.module)
-        for key, item in self.shared.items():
-            if item is not None and payload[key] is not None:
-                item.load_state_dict(payload[key])
-        mine = payload["ranks"][self.env.rank]
-        for key, item in self.per_rank.items():
-            item.load_state_dict(mine[key])
+        check_model_keys(path, payload["model"], self.model.module)
+        self.states.load_state_dict(payload, payload["ranks"][self.env.rank])
 
     def check_replicas_agree(self) -> None:
         """DDP keeps every rank's weights bit-identical. If they differ, the ranks did not
@@ -496,7 +430,7 @@ class Runner:
         all-gather per run."""
         if not self.env.distributed:
             return
-        checksum = torch.stack([p.detach().double().sum() for p in self.module.parameters()])
+        checksum = torch.stack([p.detach().double().sum() for p in self.model.module.parameters()])
         checksums = [torch.empty_like(checksum) for _ in range(self.env.world_size)]
         dist.all_gather(checksums, checksum)
         # Close, not bit-equal: ranks on different GPU models may round differently. NaN
@@ -525,8 +459,8 @@ class Runner:
             **self.precision.metrics(),
             **self.comm.metrics(),
         }
-        if self.state.stopped_early:
-            summary["stopped_early"] = self.state.stopped_early
+        if self.selection.stopped_early:
+            summary["stopped_early"] = self.selection.stopped_early
         return summary
 
 
@@ -593,73 +527,6 @@ class _StepProfiler:
             torch.profiler.tensorboard_trace_handler(str(self.directory))(self.profile)
             log.info("profile of steps %d-%d: %s", self.first, self.last, self.directory)
             self.profile = None
-
-
-class _RNGStreams:
-    """This process's python, numpy, torch and CUDA streams. A restored state is applied only
-    after the next epoch's iterator exists: building it draws from the global stream."""
-
-    def __init__(self) -> None:
-        self._restored: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return rng_state()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._restored = state
-
-    def apply_restored(self) -> None:
-        if self._restored is not None:
-            restore_rng(self._restored)
-            self._restored = None
-
-
-class _LoaderPosition:
-    """The training loader's generator as the current epoch began (shuffling and workers' seeds
-    come from it); the sampler's skip count comes from the step."""
-
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator
-        self._restored: torch.Tensor | None = None
-        self._epoch_start = generator.get_state()
-
-    def start_epoch(self) -> None:
-        if self._restored is not None:
-            self.generator.set_state(self._restored)
-            self._restored = None
-        self._epoch_start = self.generator.get_state()
-
-    def state_dict(self) -> torch.Tensor:  # type: ignore[override]
-        return self._epoch_start
-
-    def load_state_dict(self, state: torch.Tensor) -> None:  # type: ignore[override]
-        self._restored = state
-
-
-@torch.no_grad()
-def evaluate(
-    task: Task,
-    model: nn.Module,
-    loader: DataLoader,
-    precision: Precision,
-    to_device: Callable[[Any], Any],
-    split: str = "val",
-) -> dict[str, float]:
-    """The task's metrics over a whole split: every rank adds up the task's sum states over its
-    shard (no padding, no duplicates) on the device, then one all-reduce of all of them."""
-    model.eval()
-    names = task.states
-    device = next(model.parameters()).device
-    totals = torch.zeros(len(names), dtype=torch.float64, device=device)
-    for batch in loader:
-        batch = to_device(batch)
-        with precision.forward_context():
-            states = task.evaluate(model, batch)
-        totals += torch.stack(
-            [torch.as_tensor(states[name], device=device).double() for name in names]
-        )
-    reduced = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
-    return {f"{split}/{name}": value for name, value in task.compute(reduced).items()}
 
 
 def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:

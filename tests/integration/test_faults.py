@@ -201,9 +201,9 @@ def test_a_finished_run_continues_only_with_a_larger_budget_and_refuses_other_se
     assert changed.returncode == 2
     assert "data.batch_size: 32 in the checkpoint, 16 now" in changed.stderr, changed.stderr
     assert "Traceback" not in changed.stderr
-    after = snapshot(run_dir)  # only train.log records the two attempts
-    assert {k: v for k, v in after.items() if k != "train.log"} == {
-        k: v for k, v in before.items() if k != "train.log"
+    after = snapshot(run_dir)  # only train.log records the two attempts (.lock: who held it)
+    assert {k: v for k, v in after.items() if k not in ("train.log", ".lock")} == {
+        k: v for k, v in before.items() if k not in ("train.log", ".lock")
     }
 
     longer = cli(*one_rank, "trainer.max_steps=12", cwd=tmp_path)

@@ -1,0 +1,158 @@
+"""What a checkpoint saves and restores: the run's stateful parts and the registry of them.
+
+A checkpoint holds two kinds of state (torchtitan's `states={...}` registry):
+- shared: identical on every rank (model, optimizer, scheduler, precision, EMA, the trainer's
+  counters); rank 0's copy is saved.
+- per rank: what differs between ranks (RNG streams, the loader's position, comm-hook memory,
+  the log window); every rank's copy is saved, in rank order.
+A new stateful component is one entry in the registry the Runner builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from framework.components.comm import Comm
+from framework.components.ema import EMA
+from framework.components.precision import Precision
+from framework.storage.checkpoint import restore_rng, rng_state
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model in its three roles."""
+
+    train: nn.Module  # what forward/backward run on (DDP-wrapped, compiled)
+    module: nn.Module  # the bare model under it: its state_dict is what is saved
+    ema: EMA | None = None  # evaluated instead of `module` when set
+
+    @property
+    def evaluated(self) -> nn.Module:
+        """The weights evaluation uses: the EMA's when trainer.ema_decay is set."""
+        return self.ema.module if self.ema is not None else self.module
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """What turns gradients into updates, each saved with the checkpoint."""
+
+    optimizer: Optimizer
+    scheduler: LRScheduler
+    precision: Precision
+    comm: Comm  # the DDP comm hook: its memory (PowerSGD's error feedback) is per rank
+
+
+@dataclass
+class TrainState:
+    """Everything that advances as training goes; small and explicit."""
+
+    step: int = 0
+    epoch: int = 0
+    samples_seen: int = 0
+    train_seconds: float = 0.0
+    nonfinite_skipped: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+class FlatStates:
+    """Several states saved as one flat dict under one checkpoint key, each getting back the
+    keys it saved. The checkpoint's "trainer" entry holds the train state and the selection's
+    (best checkpoints, early stopping) side by side, as it did when one object held both."""
+
+    def __init__(self, *parts: Stateful) -> None:
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: value for part in self.parts for key, value in part.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part in self.parts:
+            owned = part.state_dict().keys()
+            part.load_state_dict({key: value for key, value in state.items() if key in owned})
+
+
+class RNGStreams:
+    """This process's python, numpy, torch and CUDA streams. A restored state is applied only
+    after the next epoch's iterator exists: building it draws from the global stream."""
+
+    def __init__(self) -> None:
+        self._restored: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = state
+
+    def apply_restored(self) -> None:
+        if self._restored is not None:
+            restore_rng(self._restored)
+            self._restored = None
+
+
+class LoaderPosition:
+    """The training loader's generator as the current epoch began (shuffling and workers' seeds
+    come from it); the sampler's skip count comes from the step."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self._restored: torch.Tensor | None = None
+        self._epoch_start = generator.get_state()
+
+    def start_epoch(self) -> None:
+        if self._restored is not None:
+            self.generator.set_state(self._restored)
+            self._restored = None
+        self._epoch_start = self.generator.get_state()
+
+    def state_dict(self) -> torch.Tensor:  # type: ignore[override]
+        return self._epoch_start
+
+    def load_state_dict(self, state: torch.Tensor) -> None:  # type: ignore[override]
+        self._restored = state
+
+
+class StateRegistry:
+    """The states a checkpoint holds, by the key each is saved under. A shared entry may be None
+    (no EMA): it is saved as None and skipped on load."""
+
+    def __init__(
+        self, shared: Mapping[str, Stateful | None], per_rank: Mapping[str, Stateful]
+    ) -> None:
+        self.shared, self.per_rank = dict(shared), dict(per_rank)
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """Built on rank 0 only: the other ranks' copies are the same."""
+        return {
+            key: None if item is None else item.state_dict() for key, item in self.shared.items()
+        }
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {key: item.state_dict() for key, item in self.per_rank.items()}
+
+    def load_state_dict(self, shared: Mapping[str, Any], rank_state: Mapping[str, Any]) -> None:
+        """`shared`: the checkpoint's top level; `rank_state`: this rank's entry of its ranks."""
+        for key, item in self.shared.items():
+            if item is not None and shared[key] is not None:
+                item.load_state_dict(shared[key])
+        for key, item in self.per_rank.items():
+            item.load_state_dict(rank_state[key])
