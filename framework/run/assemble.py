@@ -31,6 +31,7 @@ from framework.components.loggers import build_sink, setup_logging
 from framework.components.optim import build_optimizer, scaled_lr
 from framework.components.tasks import Task, first_batch
 from framework.config.redaction import redacted_container
+from framework.config.settings import training_settings
 from framework.config.validation import resolve_monitor, resolve_objective
 from framework.core import startup_clock
 from framework.core.distributed import (
@@ -50,12 +51,7 @@ from framework.run.plots import plot_run, save_image_grid, try_plot
 from framework.run.selection import Selection
 from framework.run.state import Model, Optimization
 from framework.run.stopping import SignalExchange, StopRequests
-from framework.storage.checkpoint import (
-    Checkpointer,
-    restore_rng,
-    rng_state,
-    training_settings,
-)
+from framework.storage.checkpoint import Checkpointer, restore_rng, rng_state
 from framework.storage.run_dir import RunDir
 
 log = logging.getLogger("framework")

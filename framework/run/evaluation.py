@@ -19,12 +19,13 @@ from framework.components.data import Loaders, to_device
 from framework.components.precision import Precision
 from framework.components.tasks import Task
 from framework.config.redaction import redacted_container
+from framework.config.settings import must_match_in_eval, training_settings
 from framework.config.validation import resolve_objective
 from framework.core.distributed import all_reduce_sum
 from framework.core.exits import CheckpointError, ConfigError
 from framework.core.launch_context import DistEnv
 from framework.run.state import Model
-from framework.storage.checkpoint import check_model_keys, training_settings
+from framework.storage.checkpoint import check_model_keys
 from framework.storage.checkpoint import read as read_checkpoint
 from framework.storage.run_dir import RunDir
 
@@ -55,21 +56,6 @@ def evaluate(
         )
     reduced = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
     return {f"{split}/{name}": value for name, value in task.compute(reduced).items()}
-
-
-# Settings that change which examples or weights an evaluation sees; loader settings do not.
-EVAL_MUST_MATCH = ("task.", "model.", "data.")
-EVAL_MAY_DIFFER = (
-    "data.batch_size",
-    "data.eval_batch_size",
-    "data.num_workers",
-    "data.pin_memory",
-    "data.persistent_workers",
-    "data.shuffle",
-    "data.drop_last",
-    "data.root",
-    "data.download",
-)
 
 
 def evaluate_checkpoint(
@@ -139,9 +125,7 @@ def _check_same_experiment(path: Path, payload: dict[str, Any], record: dict[str
     differing = sorted(
         key
         for key in payload["config"].keys() | now.keys()
-        if key.startswith(EVAL_MUST_MATCH)
-        and not key.startswith(EVAL_MAY_DIFFER)
-        and payload["config"].get(key) != now.get(key)
+        if must_match_in_eval(key) and payload["config"].get(key) != now.get(key)
     )
     if not differing:
         return

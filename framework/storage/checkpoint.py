@@ -39,52 +39,8 @@ log = logging.getLogger("framework")
 FORMAT = "framework-checkpoint/1"
 STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
-# Settings a resumed run may change: they do not alter what the next step computes.
-RESUMABLE_CHANGES = (
-    "trainer.max_steps",
-    "trainer.max_epochs",
-    "trainer.log_every",
-    "trainer.eval_every",
-    "trainer.progress_bar",
-    "trainer.on_nonfinite",
-    "trainer.stop_signals",
-    "checkpoint",
-    "logger",
-    "launcher",
-    "dist.timeout_s",
-    "data.num_workers",
-    "data.pin_memory",
-    "data.persistent_workers",
-    "data.eval_batch_size",
-    "data.root",
-    "data.download",
-    "allowed_targets",
-    "objective",
-    "trainer.compile",
-    "trainer.channels_last",
-)
-
 
 # --- what a checkpoint must match ----------------------------------------------------------
-def training_settings(config: Mapping[str, Any]) -> dict[str, str]:
-    """The resolved, secret-redacted config (security.redacted_container) as flat `key: value`
-    strings, without the settings a resume may change. Stored, with its hash, in every
-    checkpoint."""
-    flat: dict[str, str] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, Mapping):
-            for key, value in node.items():
-                walk(value, f"{prefix}{key}.")
-            return
-        key = prefix[:-1]
-        if not any(key == p or key.startswith(p + ".") for p in RESUMABLE_CHANGES):
-            flat[key] = json.dumps(node)
-
-    walk(config, "")
-    return flat
-
-
 def settings_hash(settings: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(settings.items())).encode()).hexdigest()
 
