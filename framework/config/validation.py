@@ -89,7 +89,7 @@ def _check_nothing_missing(cfg: DictConfig) -> None:
         group = key.rsplit(".", 1)[0]
         raise ConfigError(
             f"{key} is not set: the {group} option must name what builds it (`_target_: "
-            f"my_package.module.name` in its YAML file; see README: bring your own)"
+            f"my_package.module.name` in its YAML file; see docs/tasks.md)"
         )
     raise ConfigError(f"{key} is not set: give it a value ({key}=...)")
 

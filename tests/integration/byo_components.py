@@ -1,4 +1,4 @@
-"""A user's own model and dataset, reached only through `_target_` (README: bring your own)."""
+"""A user's own model and dataset, reached only through `_target_` (docs/tasks.md)."""
 
 from __future__ import annotations
 

@@ -223,30 +223,6 @@ def test_readme_starts_with_the_two_commands():
     assert commands[:2] == ["uv run train", "uv run pytest"]
 
 
-def readme_train_commands() -> list[list[str]]:
-    """Every `uv run train ...` line of the README, with its `\\` continuation lines."""
-    commands, lines = [], iter((REPO / "README.md").read_text().splitlines())
-    for line in lines:
-        if line.startswith("uv run train"):
-            text = line.split("#")[0]
-            while text.rstrip().endswith("\\"):
-                text = text.rstrip()[:-1] + " " + next(lines).split("#")[0]
-            commands.append([w.strip("'") for w in text.split()[3:] if w != "-m"])
-    return commands
-
-
-@pytest.mark.parametrize("overrides", readme_train_commands(), ids=" ".join)
-def test_every_train_command_in_the_readme_composes(overrides):
-    from framework.config import validate
-    from tests.conftest import make_cfg
-
-    overrides = [o for o in overrides if not o.startswith("--")]
-    # A sweep (a,b or interval(a,b)): its first value.
-    cfg = make_cfg(*(o.replace("interval(", "").split(",")[0] for o in overrides))
-    if not any(o.startswith("data.root=") for o in overrides):
-        validate(cfg)
-
-
 def test_bring_your_own_model_and_dataset_through_target(cli, tmp_path):
     byo = Path(__file__).parent / "byo"
     run_dir = tmp_path / "run"

@@ -1,5 +1,5 @@
 """The CLI refuses targets that would run code, and planted secrets reach neither the run dir
-nor W&B (README: Security)."""
+nor W&B (docs/security.md)."""
 
 from __future__ import annotations
 

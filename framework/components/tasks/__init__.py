@@ -1,7 +1,7 @@
 """Tasks: how a batch feeds the model, what the loss is, and which metrics evaluation reports.
 
 A task is built from `task=<option>` by `_target_` like every component; a user's own task is a
-subclass of `Task` in their own package (README: bring your own task).
+subclass of `Task` in their own package (docs/tasks.md).
 
 Two rules make every task exact under DDP and gradient accumulation:
 - A loss is a *sum* over the items of a micro-batch (samples, pixels, tokens) with their count

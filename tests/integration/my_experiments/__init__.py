@@ -1,1 +1,1 @@
-"""A user's own experiment package, outside framework/ (README: bring your own task)."""
+"""A user's own experiment package, outside framework/ (docs/tasks.md)."""
