@@ -356,6 +356,8 @@ def setup_logging(is_main: bool, rank: int, log_file: Path | None) -> None:
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
+        if isinstance(handler, logging.FileHandler):  # an earlier job's train.log in this process
+            handler.close()
     fmt = logging.Formatter(f"[%(asctime)s][rank {rank}] %(message)s", datefmt="%H:%M:%S")
     console = logging.StreamHandler()
     console.setFormatter(fmt)

@@ -168,6 +168,8 @@ class RunDir:
         made it): whether it is empty, so this start's own, which `discard` may remove."""
         if self.path.is_dir() and not any(self.path.iterdir()):
             _BEGUN_EMPTY.add(self.path.resolve())
+        else:  # an earlier start in this process began it empty; this one did not
+            _BEGUN_EMPTY.discard(self.path.resolve())
 
     def discard(self, sweep_job: bool = False) -> None:
         """After a rejected start: remove the run dir if this start made it (it was empty when

@@ -173,3 +173,38 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_valid(tmp_path):
     path, loaded = newest_valid(tmp_path)
     assert path.name == "step_00000001.pt" and loaded["step"] == 1
     assert os.readlink(tmp_path / "last.pt") == "step_00000001.pt"
+
+
+SAVE_PAST_A_SIZE_LIMIT = """
+import resource, sys, torch
+from omegaconf import OmegaConf
+from framework.core.exits import SaveFailed
+from framework.core.launch_context import DistEnv
+from framework.storage.checkpoint import Checkpointer
+cfg = OmegaConf.create({"every": 1, "keep": 3, "best": 0})
+saver = Checkpointer(cfg, __import__("pathlib").Path(sys.argv[1]), DistEnv(), {})
+saver.save(1, lambda: {"model": {"w": torch.zeros(10)}}, {})
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a file-size limit, a full disk
+try:
+    saver.save(2, lambda: {"model": {"w": torch.zeros(1_000_000)}}, {})
+except SaveFailed as error:
+    print(error)
+"""
+
+
+def test_a_save_past_a_file_size_limit_says_so_and_keeps_the_previous_checkpoint(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", SAVE_PAST_A_SIZE_LIMIT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("the checkpoint of step 2 could not be written to"), done.stdout
+    assert "File too large" in done.stdout and "step_00000001.pt is intact" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.pt",
+        "step_00000001.json",
+        "step_00000001.pt",
+    ]
+    assert read(tmp_path / "last.pt")["step"] == 1
