@@ -8,6 +8,7 @@ One table for every entry path (a single process, a spawned rank, a torchrun ran
 | config or checkpoint rejected   | Rejected         | 2         | rank 0: one `error:` line      |
 | stopped on a signal, saved      | Stopped          | 75 / 130  | rank 0: where it saved         |
 | non-finite loss (policy stop)   | NonFiniteLoss    | 1         | rank 0: where it happened      |
+| a checkpoint could not be saved | SaveFailed       | 1         | rank 0: one `error:` line      |
 | a rank failed (launcher's view) | WorkerFailed     | 1         | the launcher: the root cause   |
 | a bug or fault on this rank     | any other        | 1         | that rank: its traceback       |
 | a peer vanished mid-collective  | (by its message) | 3         | nobody: the peer or launcher   |
@@ -79,6 +80,11 @@ class NonFiniteLoss(RuntimeError):
     """trainer.on_nonfinite=stop: every rank raises this at the same step."""
 
 
+class SaveFailed(RuntimeError):
+    """Rank 0 could not write a checkpoint (a full disk, a file-size limit): the previous
+    checkpoint is intact; the message says what happened."""
+
+
 class ReplicasDiverged(RuntimeError):
     """The ranks' weights differ at the end of training."""
 
@@ -127,6 +133,8 @@ def outcome_of(error: BaseException, rank: int = 0, timeout_s: float = 0.0) -> O
         return Outcome(error.exit_code)
     if isinstance(error, NonFiniteLoss):  # rank 0 logged where it happened
         return Outcome(ExitCode.FAILED, reason=str(error))
+    if isinstance(error, SaveFailed):
+        return Outcome(ExitCode.FAILED, f"error: {error}", str(error))
     if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C: stopped without a checkpoint
         return Outcome(ExitCode.INTERRUPTED)
     text = str(error)

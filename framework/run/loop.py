@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -376,16 +377,20 @@ class Runner:
         # one collective and one read of the device.
         window = self.window
         loss, count, *sums = self.look_for_nonfinite(rider=window.totals)
-        per_item = {
-            f"train/{name}": value / max(count, 1)
+
+        def per_item(total: float) -> float:  # NaN when every update of the window was dropped
+            return total / count if count else math.nan
+
+        train_sums = {
+            f"train/{name}": per_item(value)
             for name, value in zip(self.task.train_sums, sums, strict=True)
         }
         steps, seconds = window.steps, window.close()
         self.state.train_seconds += seconds
         self.log_metrics(
             {
-                "train/loss": loss / max(count, 1),
-                **per_item,
+                "train/loss": per_item(loss),
+                **train_sums,
                 "lr": lr,
                 "samples_per_s": steps * self.global_batch_size / max(seconds, 1e-9),
                 "train/nonfinite_skipped": self.state.nonfinite_skipped,

@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from framework.components.comm import Comm
 from framework.components.ema import EMA
 from framework.components.precision import Precision
+from framework.core.exits import CheckpointError
 from framework.storage.checkpoint import restore_rng, rng_state
 
 
@@ -150,9 +151,24 @@ class StateRegistry:
         return {key: item.state_dict() for key, item in self.per_rank.items()}
 
     def load_state_dict(self, shared: Mapping[str, Any], rank_state: Mapping[str, Any]) -> None:
-        """`shared`: the checkpoint's top level; `rank_state`: this rank's entry of its ranks."""
+        """`shared`: the checkpoint's top level; `rank_state`: this rank's entry of its ranks.
+        A part that does not fit (another optimizer, another scaler) is one CheckpointError
+        naming it, not a traceback."""
         for key, item in self.shared.items():
-            if item is not None and shared[key] is not None:
-                item.load_state_dict(shared[key])
+            if item is not None and shared.get(key) is not None:
+                _load(key, item, shared[key])
         for key, item in self.per_rank.items():
-            item.load_state_dict(rank_state[key])
+            _load(key, item, rank_state.get(key))
+
+
+def _load(key: str, item: Stateful, state: Any) -> None:
+    try:
+        if state is None:
+            raise KeyError("absent")
+        item.load_state_dict(state)
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as error:
+        reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
+        raise CheckpointError(
+            f"the checkpoint's {key} state does not fit this run ({reason}): resume with the "
+            "settings it was trained with, or start from scratch with checkpoint.resume=never"
+        ) from None

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from framework.core.distributed import broadcast_object
-from framework.core.exits import CheckpointError
+from framework.core.exits import CheckpointError, SaveFailed
 from framework.core.launch_context import DistEnv
 
 log = logging.getLogger("framework")
@@ -317,11 +317,23 @@ class Checkpointer:
                 **shared(),
                 "ranks": states,
             }
-            if best is not None:
-                path = write_best(self.directory, step, payload, *best, keep=self.cfg.best)
-                log.info("best checkpoint: step %d (%.6g) -> %s", step, best[0], path)
-                return path
-            self.last_path = write(self.directory, step, payload, self.cfg.keep)
+            try:
+                if best is not None:
+                    path = write_best(self.directory, step, payload, *best, keep=self.cfg.best)
+                    log.info("best checkpoint: step %d (%.6g) -> %s", step, best[0], path)
+                    return path
+                self.last_path = write(self.directory, step, payload, self.cfg.keep)
+            except (OSError, RuntimeError) as error:  # torch.save wraps the OSError
+                cause = _os_error_in(error)
+                if cause is None:
+                    raise
+                earlier = step_files(self.directory)  # (the temporary file is gone)
+                kept = f"{earlier[0][1]} is intact" if earlier else "no earlier one was saved"
+                raise SaveFailed(
+                    f"the checkpoint of step {step} could not be written to {self.directory} "
+                    f"({cause.strerror or cause}); {kept}. Free space (or raise the file-size "
+                    "limit) and run the same command again to resume"
+                ) from None
             log.info("checkpoint: step %d -> %s", step, self.last_path)
         return self.directory / f"step_{step:08d}.pt"
 
@@ -371,6 +383,13 @@ class Checkpointer:
             return path, read(path)
         found = newest_valid(self.directory)
         return found if found else (None, None)
+
+
+def _os_error_in(error: BaseException | None) -> OSError | None:
+    """The OSError behind `error` (itself, or what it was raised from or during)."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def _gather_to_main(item: Any, env: DistEnv) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -76,8 +77,12 @@ def test_nonfinite_skip_drops_that_update_on_every_rank_and_powersgd_memory_stay
         run_dir,
     )
     assert summary["steps"] == 30
-    skipped = [e["train/nonfinite_skipped"] for e in read_metrics(run_dir) if "train/loss" in e]
+    logged = [e for e in read_metrics(run_dir) if "train/loss" in e]
+    skipped = [e["train/nonfinite_skipped"] for e in logged]
     assert skipped[4] == 0 and skipped[5] == 1 and skipped[-1] == 1
+    # The dropped step has no loss to report: NaN, never a plausible 0.0.
+    assert math.isnan(logged[5]["train/loss"]) and logged[5]["step"] == 6
+    assert all(math.isfinite(e["train/loss"]) for e in logged if e["step"] != 6)
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in saved["model"].values())
     for rank_state in saved["ranks"]:

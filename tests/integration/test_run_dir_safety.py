@@ -89,3 +89,30 @@ def test_when_every_checkpoint_is_unreadable_a_resume_is_refused_and_nothing_cha
     after = files_of(run_dir)
     after.pop(run_dir / "train.log"), after.pop(run_dir / ".lock")  # (this attempt's own lines)
     assert after == before  # the metrics of steps 1-2 are still there: no restart from step 0
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_optimizer_is_one_line_and_leaves_nothing_in_the_way(cli, tmp_path):
+    first = cli(*ONE_RANK, f"hydra.run.dir={tmp_path / 'first'}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    resume = f"checkpoint.resume={tmp_path / 'first' / 'checkpoints' / 'last.pt'}"
+    other = cli(
+        *ONE_RANK,
+        "trainer.max_steps=4",
+        resume,
+        "optimizer=adamw",
+        f"hydra.run.dir={tmp_path / 'second'}",
+        cwd=tmp_path,
+    )
+    assert other.returncode == 2
+    assert "the checkpoint's optimizer state does not fit this run" in other.stderr
+    assert "Traceback" not in other.stderr
+    assert not (tmp_path / "second").exists()  # so the corrected command is not blocked
+    fixed = cli(
+        *ONE_RANK,
+        "trainer.max_steps=4",
+        resume,
+        f"hydra.run.dir={tmp_path / 'second'}",
+        cwd=tmp_path,
+    )
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
