@@ -90,8 +90,11 @@ class RunDir:
         return self.metrics.exists() or self.summary.exists()
 
     def is_foreign(self) -> bool:
-        """Holds files but no run: not a run dir of ours (a user's folder)."""
+        """Holds files but no run: not a run dir of ours (a user's folder). A dir this process
+        began empty holds only what this start wrote (the record of a sweep's job)."""
         if not self.path.is_dir() or not any(self.path.iterdir()):
+            return False
+        if self.path.resolve() in _BEGUN_EMPTY:
             return False
         return not (self.lock.exists() or self.holds_run() or step_files(self.checkpoints))
 

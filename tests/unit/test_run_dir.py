@@ -321,3 +321,16 @@ def test_a_second_start_in_a_dir_the_first_began_empty_keeps_the_first_runs_file
     second.note_start()
     second.discard()
     assert second.metrics.read_text() == '{"step": 1, "train/loss": 0.5}\n'
+
+
+def test_a_sweep_jobs_dir_holding_only_the_record_this_start_wrote_is_not_foreign(tmp_path):
+    """A sweep's job: Hydra makes its dir, the callback writes the record, then the app checks
+    the dir (join_sweep): the record is this start's own, not a user's file."""
+    job = start_in(tmp_path / "multirun" / "12-00-00" / "0")
+    job.log.unlink()
+    assert sorted(p.name for p in job.path.iterdir()) == [".hydra"]
+    assert not job.is_foreign()
+    job.check_reusable(composed(), sweep_job=True)  # accepted
+    other = tmp_path / "someone-elses"
+    (other / ".hydra").mkdir(parents=True)
+    assert RunDir(other).is_foreign()
