@@ -438,6 +438,9 @@ class AutoencoderConfig(TaskConfig):
 class LauncherConfig:
     name: str = MISSING
     nproc_per_node: int = 2  # ranks started on this machine
+    # Start more ranks than this machine holds (CPU: 4 per core; GPU: one per visible device):
+    # refused unless true.
+    oversubscribe: bool = False
 
 
 @dataclass

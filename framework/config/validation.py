@@ -11,17 +11,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schemas as s
+from framework.config.target_keys import check_target_keys
 from framework.core import launch_context
 from framework.core.allowlist import check_targets
 from framework.core.exits import ConfigError
 
+CPU_RANKS_PER_CORE = 4  # beyond this a CPU run only thrashes (launcher.oversubscribe insists)
 RUN_METRICS = {"samples_per_s": "max", "wall_s": "min"}  # objectives every run reports
 GROUPS = ("task", "model", "data", "optimizer", "scheduler", "precision", "comm", "launcher")
 # Loggers whose library is an optional dependency (the `loggers` dependency group).
@@ -50,6 +54,7 @@ def validate(cfg: DictConfig) -> None:
     _check_nothing_missing(cfg)
     _check_no_unknown_keys(cfg)
     check_targets(cfg)
+    check_target_keys(cfg)  # (after the allowlist: it imports the targets)
     _check_mode(cfg)
     _check_trainer(cfg.trainer)
     _check_checkpoint(cfg.checkpoint)
@@ -219,8 +224,39 @@ def _reject_srun_steps(launcher: DictConfig, cfg: DictConfig) -> None:
 
 
 # --- one option's own knobs ------------------------------------------------------------------
+def _check_ranks_fit_this_machine(launcher: DictConfig, cfg: DictConfig) -> None:
+    """The launchers that start their ranks on this machine: a rank count it cannot hold
+    (each rank a process with its own model; on GPUs one device each) is refused before a
+    single process is forked."""
+    nproc = launcher.nproc_per_node
+    if launcher.oversubscribe or nproc <= 1:
+        return
+    gpus = torch.cuda.device_count()
+    if gpus:
+        require(
+            nproc <= gpus,
+            f"launcher.nproc_per_node={nproc}: this machine has {gpus} GPU(s) and each rank "
+            f"drives one; use launcher.nproc_per_node<={gpus}, or launcher.oversubscribe=true "
+            "to share them",
+        )
+        return
+    cores = len(os.sched_getaffinity(0))
+    require(
+        nproc <= CPU_RANKS_PER_CORE * cores,
+        f"launcher.nproc_per_node={nproc} is far more ranks than this machine's {cores} CPU "
+        f"cores hold (at most {CPU_RANKS_PER_CORE * cores}): lower it, or set "
+        "launcher.oversubscribe=true to insist",
+    )
+
+
+def _check_local(launcher: DictConfig, cfg: DictConfig) -> None:
+    _reject_srun_steps(launcher, cfg)
+    _check_ranks_fit_this_machine(launcher, cfg)
+
+
 def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:
     _reject_srun_steps(launcher, cfg)
+    _check_ranks_fit_this_machine(launcher, cfg)
     require(launcher.nnodes >= 1, f"launcher.nnodes={launcher.nnodes} must be >= 1")
     require(
         launcher.max_restarts >= 0, f"launcher.max_restarts={launcher.max_restarts} must be >= 0"
@@ -329,7 +365,7 @@ def _check_logger(name: str, logger: DictConfig, cfg: DictConfig) -> None:
 
 Check = Callable[[DictConfig, DictConfig], None]  # (the group's node, the whole config)
 CHECKS: dict[type, Check] = {
-    s.LocalLauncherConfig: _reject_srun_steps,
+    s.LocalLauncherConfig: _check_local,
     s.TorchrunLauncherConfig: _check_torchrun,
     s.SubmititLauncherConfig: _check_submitit,
     s.AmpConfig: _check_amp,

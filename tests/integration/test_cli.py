@@ -149,6 +149,7 @@ BAD_INPUT = [
     (["optimizer.lr=abc"], ["optimizer.lr", "abc"]),
     (["trainer.unknown_key=1"], ["unknown_key"]),
     (["launcher.nproc_per_node=0"], ["launcher.nproc_per_node=0", ">= 1"]),
+    (["launcher.nproc_per_node=1000"], ["far more ranks", "launcher.oversubscribe=true"]),
     (["trainer.grad_accum=0"], ["trainer.grad_accum=0", ">= 1"]),
     (["data=cifar10"], ["data.root", "cifar-10-batches-py", "data.download=true"]),
     (["comm=powersgd", "comm.rank=0"], ["comm.rank=0", ">= 1"]),
@@ -163,6 +164,7 @@ BAD_INPUT = [
     (["trainer.on_nonfinite=ignore"], ["trainer.on_nonfinite=ignore", "one of [stop, skip]"]),
     (["trainer.max_step=5"], ["trainer.max_step", "not in 'TrainerConfig'"]),
     (["+trainer.max_step=5"], ["did you mean trainer.max_steps?"]),
+    (["+model.hiden=3"], ["model.hiden is not a setting of", "it takes in_channels"]),
 ]
 
 

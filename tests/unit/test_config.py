@@ -124,15 +124,31 @@ def test_composition_errors_name_the_key(override, expected):
     assert expected in str(error.value) + str(error.value.__cause__)
 
 
+def test_oversubscribe_insists_on_more_ranks_than_the_machine_holds():
+    validate(make_cfg("launcher.nproc_per_node=1000", "launcher.oversubscribe=true"))
+
+
+def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
+    """torchvision's resnet18(**kwargs) takes zero_init_residual without naming it."""
+    validate(make_cfg("model._target_=torchvision.models.resnet18", "+model.zero_init_residual=1"))
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
         (["launcher.nproc_per_node=0"], "launcher.nproc_per_node=0"),
+        (["launcher.nproc_per_node=1000"], "launcher.nproc_per_node=1000 is far more ranks"),
+        (["launcher=torchrun", "launcher.nproc_per_node=1000"], "launcher.oversubscribe=true"),
         (["trainer.grad_accum=0"], "trainer.grad_accum=0"),
         (["data=cifar10"], "data.root"),
         (["data=cifar10", "data.root=/nonexistent"], "data.root=/nonexistent"),
         (["trainer.max_steps=null", "trainer.max_epochs=null"], "trainer.max_steps"),
         (["trainer.ema_decay=1.5"], "trainer.ema_decay"),
+        # Every key of a component's node is something its callable (or the framework) takes.
+        (["+model.hiden=3"], "model.hiden is not a setting of framework.components.models"),
+        (["+optimizer.momentun=0.5"], "did you mean optimizer.momentum?"),
+        (["+data.batch_sise=8"], "did you mean data.batch_size?"),  # digits(**_) swallows it
+        (["logger=csv", "+logger.csv.filname=x"], "did you mean logger.csv.filename?"),
     ],
 )
 def test_cross_field_errors_name_the_setting(overrides, expected):
