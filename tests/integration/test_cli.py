@@ -42,6 +42,7 @@ def test_default_experiment_reaches_95_percent_in_under_a_minute_and_only_rank_0
     assert "[rank 1]" not in result.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == [
         ".hydra",
+        ".lock",  # who held the run dir (docs/checkpoints.md#the-run-directory)
         "checkpoints",
         "config.yaml",
         "curves.png",
