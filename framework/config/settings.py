@@ -14,6 +14,7 @@ from typing import Any
 
 from framework.config import schemas as s
 from framework.config.registry import SCHEMAS
+from framework.core.allowlist import matches_prefix
 
 
 def _flagged(schema: type, flag: str, prefix: str) -> Iterator[str]:
@@ -52,13 +53,11 @@ def eval_may_differ_keys() -> tuple[str, ...]:
     return tuple(sorted(set(_flagged_in_groups(s.EVAL_MAY_DIFFER, eval_compared_groups()))))
 
 
-def _within(key: str, prefixes: tuple[str, ...]) -> bool:
-    return any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)
-
-
 def must_match_in_eval(key: str) -> bool:
     """Whether an evaluation of a checkpoint must use the training run's value of `key`."""
-    return _within(key, eval_compared_groups()) and not _within(key, eval_may_differ_keys())
+    return matches_prefix(key, eval_compared_groups()) and not matches_prefix(
+        key, eval_may_differ_keys()
+    )
 
 
 def training_settings(config: Mapping[str, Any]) -> dict[str, str]:
@@ -74,7 +73,7 @@ def training_settings(config: Mapping[str, Any]) -> dict[str, str]:
                 walk(value, f"{prefix}{key}.")
             return
         key = prefix[:-1]
-        if not _within(key, resumable):
+        if not matches_prefix(key, resumable):
             flat[key] = json.dumps(node)
 
     walk(config, "")

@@ -184,9 +184,10 @@ class RunDir:
             return
         if path == Path.cwd().resolve():  # an empty working dir the user ran in: empty it again
             for entry in path.iterdir():
-                shutil.rmtree(
-                    entry
-                ) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
             return
         shutil.rmtree(path, ignore_errors=True)
         for folder in () if sweep_job else path.parents:
