@@ -17,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.command.hydra_errors import run_app
+from framework.command.hydra_node_check import check_composed_hydra_node
 from framework.config import CONF_DIR, validate
 from framework.config.redaction import hide_command_line_secrets
 from framework.config.registry import register_configs
@@ -90,9 +91,11 @@ def main() -> None:
         launcher_watch.leave_with(os.getppid())  # its agent: no rank outlives it
     forkserver.warm_up_if_forking(sys.argv[1:])  # (already running when cli.py started it)
     # Hydra instantiates its own node (callbacks, launcher, sweeper, logging factories) before
-    # any callback of ours can look at it: check the command line before Hydra starts.
+    # any callback of ours can look at it: check the command line and the node composed from
+    # every config file before Hydra starts.
     try:
         check_command_line(sys.argv[1:])
+        check_composed_hydra_node(sys.argv[1:])
     except ConfigError as error:
         end(error, rank=here.global_rank())  # under torchrun rank 0 says it once
     # Secrets typed as overrides move to environment variables: Hydra's records, its console

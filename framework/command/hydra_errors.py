@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+import yaml
 from hydra.errors import (
     CompactHydraException,
     ConfigCompositionException,
@@ -41,22 +42,44 @@ def run_app(app: Callable[[], Any]) -> None:
         if wants_traceback:
             raise
         _leave(error, ExitCode.CONFIG_REJECTED)
+    except yaml.YAMLError as error:  # a config file that is not YAML
+        if wants_traceback:
+            raise
+        _leave(_yaml_mistake(error), ExitCode.CONFIG_REJECTED)
+    except OmegaConfBaseException as error:  # composing: a missing key, a wrong type
+        if wants_traceback:
+            raise
+        _leave(error, ExitCode.CONFIG_REJECTED)
     except CompactHydraException as error:  # a message, not a bug (a failed job of a sweep)
         if wants_traceback:
             raise
         _leave(error, ExitCode.FAILED)
 
 
-def describe(error: CompactHydraException) -> str:
-    """Hydra's message and, when OmegaConf caused it, OmegaConf's reason (its first line: the
-    lines after it repeat the key and name internal types)."""
+def _yaml_mistake(error: yaml.YAMLError) -> Exception:
+    mark = getattr(error, "problem_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}" if mark else "a config file"
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return ValueError(f"{where} is not valid YAML: {problem}")
+
+
+def describe(error: Exception) -> str:
+    """Hydra's message and, when OmegaConf caused it, OmegaConf's reason, on one line (OmegaConf's
+    lines after its first repeat the key and name internal types)."""
+    lines = str(error).strip().splitlines()
+    message = " ".join(line.strip() for line in lines if line.strip())
+    if isinstance(error, OmegaConfBaseException):
+        message = lines[0].strip() if lines else type(error).__name__
     cause = error.__cause__
     if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
-        return f"{error}: {str(cause).strip().splitlines()[0]}"
-    return str(error)
+        reason = str(cause).strip().splitlines()[0]
+        if reason not in message:
+            message = f"{message}: {reason}"
+        message = message.split(" full_key:")[0]
+    return message
 
 
-def _leave(error: CompactHydraException, code: ExitCode) -> NoReturn:
+def _leave(error: Exception, code: ExitCode) -> NoReturn:
     print(f"error: {describe(error)}", file=sys.stderr, flush=True)
     raise SystemExit(code) from None
 

@@ -9,6 +9,7 @@ from typing import Any
 from hydra._internal.sources_registry import SourcesRegistry
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import validate
 from framework.config.redaction import redact_multirun_master, write_hydra_record
@@ -16,7 +17,7 @@ from framework.config.validation import require
 from framework.core import launch_context
 from framework.core.exits import ConfigError, end
 from framework.launch.slurm_partition import check_cluster
-from framework.storage.run_dir import RunDir
+from framework.storage.run_dir import RunDir, creation_problem
 
 
 class ValidateBeforeRun(Callback):
@@ -29,6 +30,7 @@ class ValidateBeforeRun(Callback):
         self._check(config)
         run = RunDir(Path(config.hydra.run.dir))
         try:
+            _check_creatable("hydra.run.dir", run.path)
             run.check_reusable(config, sweep_job=False)
         except ConfigError as error:
             end(error)
@@ -37,6 +39,7 @@ class ValidateBeforeRun(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)
         try:  # before anything is submitted
+            _check_creatable("hydra.sweep.dir", Path(config.hydra.sweep.dir))
             check_cluster(config.launcher)
         except ConfigError as error:
             end(error)
@@ -66,8 +69,16 @@ class ValidateBeforeRun(Callback):
                 "hydra.callbacks.validate.output_subdir instead",
             )
             check_config_folders(config)
+        except OmegaConfBaseException as error:  # Hydra would only warn, and run the job
+            mistake = ConfigError(f"{error.full_key}: {str(error).splitlines()[0]}")
+            end(mistake, rank=launch_context.current().global_rank())
         except ConfigError as error:
             end(error, rank=launch_context.current().global_rank())  # rank 0 says it once
+
+
+def _check_creatable(setting: str, path: Path) -> None:
+    problem = creation_problem(path)
+    require(problem is None, f"{setting}={path} cannot be created: {problem}; choose another")
 
 
 def check_config_folders(config: DictConfig) -> None:

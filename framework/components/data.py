@@ -14,6 +14,7 @@ import importlib.util
 import itertools
 import logging
 import math
+import pickle
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -234,18 +235,45 @@ def synthetic(
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
-def _cifar_folder() -> type:
-    """torchvision's reader for the python-pickle batches with the checksums cleared
-    (torchvision then checks only that each file exists), so a local copy or a small file in
-    the same format is read as it is."""
-    from torchvision.datasets import CIFAR10
+class _ArraysOnly(pickle.Unpickler):
+    """CIFAR-10's python batches hold dicts of bytes, lists and numpy arrays. A pickle can hold
+    any call, and a config names the folder it is read from: anything but arrays is refused."""
 
-    class CifarFolder(CIFAR10):
-        train_list = [[name, None] for name, _ in CIFAR10.train_list]
-        test_list = [[name, None] for name, _ in CIFAR10.test_list]
-        meta = {**CIFAR10.meta, "md5": None}
+    ALLOWED = {
+        (module, name)
+        for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+        for name in ("_reconstruct", "scalar")
+    } | {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}  # bytes, protocol 2
 
-    return CifarFolder
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not CIFAR-10 data: refused")
+        return super().find_class(module, name)
+
+
+class CifarBatches(Dataset):
+    """CIFAR-10 read from a local copy of its python batches (`cifar-10-batches-py`), or a small
+    file in the same format, with only arrays unpickled (torchvision's reader unpickles
+    anything, and checks only the official files' checksums)."""
+
+    def __init__(self, folder: Path, train: bool, transform: Callable) -> None:
+        names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        images, self.targets = [], []
+        for name in names:
+            with open(folder / name, "rb") as file:
+                batch = _ArraysOnly(file, encoding="latin1").load()
+            images.append(batch["data"])
+            self.targets += list(batch["labels"])
+        self.data = np.vstack(images).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        from PIL import Image  # with torchvision, only for CIFAR-10
+
+        return self.transform(Image.fromarray(self.data[index])), self.targets[index]
 
 
 def cifar10(
@@ -268,14 +296,17 @@ def cifar10(
     if augment:
         train_tf = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
         train_tf += normalize
-    dataset = torchvision.datasets.CIFAR10 if download else _cifar_folder()
+    train_tf, val_tf = transforms.Compose(train_tf), transforms.Compose(normalize)
+    if download:  # the official files, checked against torchvision's checksums
+        dataset = torchvision.datasets.CIFAR10
+        return Splits(
+            train=dataset(str(path), train=True, download=True, transform=train_tf),
+            val=dataset(str(path), train=False, download=False, transform=val_tf),
+        )
+    folder = path / "cifar-10-batches-py"
     return Splits(
-        train=dataset(
-            str(path), train=True, download=download, transform=transforms.Compose(train_tf)
-        ),
-        val=dataset(
-            str(path), train=False, download=False, transform=transforms.Compose(normalize)
-        ),
+        train=CifarBatches(folder, train=True, transform=train_tf),
+        val=CifarBatches(folder, train=False, transform=val_tf),
     )
 
 

@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from framework.config.redaction import SecretFilter, known_secrets, redact
+from framework.config.validation import file_name_problem, tracking_uri_problem
 from framework.storage.run_dir import RunDir
 
 log = logging.getLogger("framework")
@@ -68,6 +69,14 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _run_dir(run: Any) -> RunDir:
+    """The run dir a sink writes into. Only the rank builds one: a sink named anywhere else in a
+    config would get a mapping in its place, and write wherever that said."""
+    if not isinstance(run, RunDir):
+        raise TypeError(f"a logger writes into the run dir it is given, not {type(run).__name__}")
+    return run
+
+
 class ConsoleSink(NullSink):
     def log(self, metrics: dict[str, Any]) -> None:
         log.info("  ".join(f"{key}={_format(value)}" for key, value in metrics.items()))
@@ -77,7 +86,7 @@ class JsonlSink(NullSink):
     """metrics.jsonl: one JSON object per event; summary.json at the end."""
 
     def __init__(self, run: RunDir) -> None:
-        self.run = run
+        self.run = _run_dir(run)
         self.file = open(run.metrics, "a", buffering=1)  # noqa: SIM115 (lives with the sink)
 
     def log(self, metrics: dict[str, Any]) -> None:
@@ -141,6 +150,8 @@ class WandbSink(_Guarded):
     ) -> None:
         import wandb  # imported here: costs ~1 s and only rank 0 with logger=wandb needs it
 
+        run = _run_dir(run)
+
         # W&B stores sys.argv in the run's metadata. main() hides secret overrides; should a
         # known secret still be in argv (another entry point), the metadata is left out.
         argv_leaks = redact(sys.argv, known_secrets()) != sys.argv
@@ -190,7 +201,8 @@ class TensorBoardSink(NullSink):
         from torch.utils.tensorboard import SummaryWriter  # only rank 0 with this logger
 
         self.writer = SummaryWriter(
-            str(run.path / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+            str(_run_dir(run).path / "tensorboard"),
+            purge_step=resume_step + 1 if resume_step else None,
         )
 
     def log(self, metrics: dict[str, Any]) -> None:
@@ -216,7 +228,9 @@ class CsvSink(NullSink):
         resume_id: str | None = None,
         resume_step: int = 0,
     ) -> None:
-        self.path = run.path / filename
+        if problem := file_name_problem(filename):
+            raise ValueError(f"logger.csv.filename={filename} {problem}")
+        self.path = _run_dir(run).path / filename
         self.rows: list[dict[str, Any]] = []
         if self.path.exists():
             with self.path.open(newline="") as file:
@@ -264,8 +278,10 @@ class MLflowSink(_Guarded):
     ) -> None:
         import mlflow  # imported here: ~2 s, only rank 0 with logger=mlflow needs it
 
+        if problem := tracking_uri_problem(tracking_uri):
+            raise ValueError(f"logger.mlflow.tracking_uri={tracking_uri} {problem}")
         self.mlflow = mlflow
-        self.run_dir = run
+        self.run_dir = _run_dir(run)
         mlflow.set_tracking_uri(
             tracking_uri
             or os.environ.get("MLFLOW_TRACKING_URI")

@@ -6,7 +6,10 @@ composes anything; so do tests and benchmarks that compose a config themselves.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 from framework.config import schemas as s
 from framework.config.resolvers import register_resolvers
@@ -66,6 +69,22 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "mlflow": s.MLflowLoggerConfig,
     },
 }
+
+
+# Building blocks a config may name besides the options' own targets.
+BUILDING_BLOCKS = ("framework.components.data.PadSequences",)
+
+
+def shipped_targets() -> frozenset[str]:
+    """Every framework callable a config may name: the `_target_` of each shipped option."""
+    targets = {
+        field.default
+        for options in SCHEMAS.values()
+        for schema in options.values()
+        for field in dataclasses.fields(schema)
+        if field.name == "_target_" and isinstance(field.default, str)
+    }
+    return frozenset({*targets, *BUILDING_BLOCKS} - {MISSING})
 
 
 def register_configs() -> None:

@@ -20,6 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schemas as s
+from framework.config.registry import shipped_targets
 from framework.config.target_keys import check_target_keys
 from framework.core import launch_context
 from framework.core.allowlist import check_targets
@@ -51,9 +52,10 @@ TYPED_SECTIONS = {
 
 def validate(cfg: DictConfig) -> None:
     """Check rules that span keys. Raises ConfigError with the setting and the fix."""
+    _check_groups_name_their_builder(cfg)
     _check_nothing_missing(cfg)
     _check_no_unknown_keys(cfg)
-    check_targets(cfg)
+    check_targets(cfg, shipped_targets())
     check_target_keys(cfg)  # (after the allowlist: it imports the targets)
     _check_mode(cfg)
     _check_trainer(cfg.trainer)
@@ -97,6 +99,21 @@ def _check_nothing_missing(cfg: DictConfig) -> None:
             f"my_package.module.name` in its YAML file; see docs/tasks.md)"
         )
     raise ConfigError(f"{key} is not set: give it a value ({key}=...)")
+
+
+BUILT_GROUPS = ("task", "model", "data", "optimizer", "scheduler")
+
+
+def _check_groups_name_their_builder(cfg: DictConfig) -> None:
+    """A user's option written without its schema's defaults has no `_target_` at all; its
+    other keys' interpolations would fail first, naming a key the user never wrote."""
+    for group in BUILT_GROUPS:
+        node = cfg.get(group)
+        if isinstance(node, DictConfig) and "_target_" not in node:
+            raise ConfigError(
+                f"{group}._target_ is not set: the {group} option must name what builds it "
+                "(`_target_: my_package.module.name` in its YAML file; see docs/tasks.md)"
+            )
 
 
 def _check_no_unknown_keys(cfg: DictConfig) -> None:
@@ -336,6 +353,37 @@ def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
     )
 
 
+def file_name_problem(filename: str) -> str | None:
+    """Why `filename` does not name a file directly in the run dir; None when it does."""
+    if not filename or Path(filename).name != filename or filename in (".", ".."):
+        return "must be a file name in the run dir (no folder, no ..)"
+    return None
+
+
+# MLflow stores a config may name: servers. A local store (a path, file: or sqlite:) comes
+# from $MLFLOW_TRACKING_URI or the default, never from a config (it would write anywhere).
+MLFLOW_SERVER_SCHEMES = ("http://", "https://", "databricks")
+
+
+def tracking_uri_problem(uri: str | None) -> str | None:
+    if uri is None or uri.startswith(MLFLOW_SERVER_SCHEMES):
+        return None
+    return (
+        "is a local store, which only $MLFLOW_TRACKING_URI may name: set that variable, or "
+        "an http(s) server here"
+    )
+
+
+def _check_csv_logger(logger: DictConfig, cfg: DictConfig) -> None:
+    problem = file_name_problem(logger.filename)
+    require(problem is None, f"logger.csv.filename={logger.filename} {problem}")
+
+
+def _check_mlflow_logger(logger: DictConfig, cfg: DictConfig) -> None:
+    problem = tracking_uri_problem(logger.tracking_uri)
+    require(problem is None, f"logger.mlflow.tracking_uri={logger.tracking_uri} {problem}")
+
+
 def _check_autoencoder(task: DictConfig, cfg: DictConfig) -> None:
     require(task.kl_weight >= 0, f"task.kl_weight={task.kl_weight} must be >= 0")
 
@@ -373,6 +421,8 @@ CHECKS: dict[type, Check] = {
     s.Cifar10Config: _check_cifar10,
     s.AutoencoderConfig: _check_autoencoder,
     s.ClassificationConfig: _check_classification,
+    s.CsvLoggerConfig: _check_csv_logger,
+    s.MLflowLoggerConfig: _check_mlflow_logger,
 }
 
 

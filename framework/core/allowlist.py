@@ -1,71 +1,73 @@
-"""What may run: the `_target_` allowlist, and the command-line checks for Hydra's own node.
+"""What may run: the `_target_` allowlist, and the checks of Hydra's own node.
 
-Hydra's `instantiate` calls whatever a `_target_` names, so an override such as
-`+model.x._target_=shutil.copy` runs code. Targets in the app config must come from built-in
-module prefixes or from `allowed_targets` set in a config file (`check_targets`, called by
-`validate()`). Hydra's own node (callbacks, launcher, sweeper, logging factories) is instantiated
-before any callback of ours runs, so the command line is checked for it before Hydra starts
-(`check_command_line`, called by `main()`).
+Hydra's `instantiate` calls whatever a `_target_` names, so a config that may name any callable
+may run any code. The rule is positive: a target is one public callable of a reviewed family
+(`TARGET_FAMILIES`, our own `framework.components`), or lies in your own source code that a
+config file trusts with `allowed_targets` (`check_targets`, called by `validate()`). It is judged
+on the object Hydra would really call, and no segment of either name may be private (`_`).
+Hydra's own node (callbacks, launcher, sweeper, logging factories) is instantiated before any
+callback of ours runs, so it is checked before Hydra starts: on the command line
+(`check_command_line`) and composed from the config files (`check_hydra_node`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sysconfig
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from hydra._internal.utils import _locate, get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.core.exits import ConfigError
 
 # --- what may run ---------------------------------------------------------------------------
-BUILTIN_TARGET_PREFIXES = ("torch", "torchvision", "framework", "experiments")
-# Hydra's node needs Hydra's own classes and plugins (our callback lives in framework).
-HYDRA_NODE_PREFIXES = ("hydra", "hydra_plugins", *BUILTIN_TARGET_PREFIXES)
-# Inside allowed packages, but they load or run code named by their arguments (pickles, C++
-# sources, hub repos, scripts, statements) or hand any config to instantiate.
-DENIED_TARGET_PREFIXES = (
-    "torch.hub",
-    "torch.load",
-    "torch.serialization",
-    "torch.jit.load",
-    "torch.jit._serialization",
-    "torch.package",
-    "torch.ops",
-    "torch.classes",
-    "torch.utils.cpp_extension",
-    "torch.utils.benchmark",
-    "torch.utils.collect_env",
-    "torch.distributed.run",
-    "torch.distributed.launch",
-    "torch.distributed.launcher",
-    "torch.distributed.elastic",
-    "torch.multiprocessing",
-    "hydra.utils",
-    "hydra._internal.utils",
-    "hydra._internal.instantiate",
+# torchvision.datasets is not one: its readers unpickle or torch.load the files under a root a
+# config chooses (CIFAR, LSUN, MNIST), and download and extract archives into it.
+# A config may name `<family>.<PublicName>`: one public callable that the package itself exports
+# (never a deeper path: `torch.nn.functional.torch.load` is a path through an imported module).
+# What it resolves to must be defined inside the family's own package.
+TARGET_FAMILIES = (
+    "torch.nn",
+    "torch.nn.init",
+    "torch.optim",
+    "torch.optim.lr_scheduler",
+    "torch.utils.data",
+    "torchvision.models",
+    "torchvision.transforms",
+    "torchvision.transforms.v2",
 )
-# Keys whose value names something to call: instantiate's `_target_`, and the factories of
-# logging.config.dictConfig (`()` for any factory, `class` for handlers), which Hydra applies to
-# hydra.job_logging / hydra.hydra_logging.
-HYDRA_CALLABLE_KEYS = ("_target_", "()", "class")
-# Subtrees of Hydra's node that Hydra instantiates or hands to logging.config; an interpolation
-# there could pull in a target from elsewhere, so the command line may not use one.
-HYDRA_CODE_NODES = (
-    "hydra.callbacks",
-    "hydra.launcher",
-    "hydra.sweeper",
-    "hydra.job_logging",
-    "hydra.hydra_logging",
+# Our own components: exactly the targets our schemas name (config/registry.py passes them in):
+# the package also holds what a run builds itself (metrics.jsonl's sink takes a run dir).
+FRAMEWORK_FAMILY = "framework.components"
+# Inside the families, but they load or run what their arguments name (pickles, archives,
+# downloads to a chosen folder, functions to call on file contents), or write where a config
+# says. Found by tests/unit/test_target_reach.py, which scans every callable the families
+# expose for a path to exec, eval, pickle, torch.load, importlib, subprocess or a file write.
+DENIED_TARGETS = (
+    "torch.utils.data.datapipes",
+    "torchvision.models.get_model",
+    "torchvision.models.get_weight",
+    "torchvision.models.get_model_weights",
 )
-VALIDATE_CALLBACK = "hydra.callbacks.validate"
-# Variables that make every process started afterwards load code (hydra.job.env_set sets them).
-CODE_LOADING_ENV = re.compile(r"^(LD_.*|DYLD_.*|PYTHON.*|BASH_ENV|ENV|PERL5OPT|NODE_OPTIONS)$")
-TARGET_FIX = "add the module prefix to allowed_targets in a config file"
+# Pretrained weights: torchvision downloads them into torch hub's cache and unpickles whatever
+# file it finds there (without a hash check once cached). Load weights in your own code.
+DENIED_ARGUMENTS = {"torchvision.models": ("weights", "weights_backbone")}
+TARGET_FIX = (
+    "name a public class or function of torch.nn, torch.optim, torch.utils.data or "
+    "torchvision.models/transforms, a shipped option's target, or one of your own modules "
+    "listed in allowed_targets in a config file"
+)
+TRUST_FIX = (
+    "allowed_targets may only list your own modules (source outside the Python installation "
+    "and its site-packages); list the module that wraps what you need"
+)
 
 
 def matches_prefix(name: str, prefixes: Iterable[str]) -> bool:
@@ -73,11 +75,15 @@ def matches_prefix(name: str, prefixes: Iterable[str]) -> bool:
     return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
 
 
+def has_private_segment(name: str) -> bool:
+    return any(part.startswith("_") for part in name.split("."))
+
+
 def resolved_name(target: str) -> str | None:
     """The dotted name of what `target` really is: `torch.os.system` is `posix.system`.
     None when it cannot be imported (instantiate then fails on its own, running nothing)."""
     # Hydra's own lookup, so we judge exactly the object instantiate would call. Only reached
-    # for names inside an allowed prefix, so importing them is allowed to run their module code.
+    # for names inside an allowed family, so importing them is allowed to run their module code.
     try:
         obj = _locate(target)
     except Exception:  # any import failure: nothing to judge
@@ -88,47 +94,205 @@ def resolved_name(target: str) -> str | None:
     return f"{owner.__module__}.{owner.__qualname__}"
 
 
-def target_problem(target: Any, allowed: Iterable[str], fix: str) -> str | None:
-    """Why `target` may not be instantiated, ending with how to fix it; None when it may."""
-    allowed = tuple(allowed)
-    outside = f"outside the allowed module prefixes ({', '.join(allowed)}); {fix}"
-    if not isinstance(target, str):
-        return f"is a {type(target).__name__}, not a dotted name"
-    if matches_prefix(target, DENIED_TARGET_PREFIXES):
-        return "can load or run arbitrary code: it is never allowed, use another target"
-    if not matches_prefix(target, allowed):
-        return f"is {outside}"
-    real = resolved_name(target)
-    if real is None or real == target:
-        return None
-    # An allowed module may import a dangerous one: torchvision.datasets.mnist.shutil.copy.
-    if matches_prefix(real, DENIED_TARGET_PREFIXES):
-        return f"resolves to {real}, which can load or run arbitrary code: use another target"
-    if not matches_prefix(real, allowed):
-        return f"resolves to {real}, {outside}"
+def _family_of(target: str) -> str | None:
+    """The family `target` is one public name of, if any."""
+    module, _, name = target.rpartition(".")
+    if module in TARGET_FAMILIES and name and not name.endswith("_Weights"):
+        return module
     return None
 
 
-def allowed_target_prefixes(cfg: DictConfig | Mapping) -> tuple[str, ...]:
+def _is_callable_object(target: str) -> bool:
+    try:
+        obj = _locate(target)
+    except Exception:  # not importable: instantiate fails on its own
+        return True
+    return callable(obj) and not isinstance(obj, ModuleType)
+
+
+def target_problem(
+    target: Any, trusted: Iterable[str] = (), shipped: Iterable[str] = ()
+) -> str | None:
+    """Why `target` may not be instantiated, ending with how to fix it; None when it may.
+    `trusted`: module prefixes of your own code (allowed_targets, checked by trusted_prefixes);
+    `shipped`: the framework's own targets (config/registry.py's shipped_targets)."""
+    if not isinstance(target, str):
+        return f"is a {type(target).__name__}, not a dotted name"
+    if has_private_segment(target):
+        return "names a private (`_`) module or attribute: " + TARGET_FIX
+    if matches_prefix(target, DENIED_TARGETS):
+        return "can load or run what its arguments name: it is never allowed, use another target"
+    family = _family_of(target)
+    own = target in shipped or matches_prefix(target, trusted)
+    if family is None and not own:
+        return "is outside the allowed families: " + TARGET_FIX
+    real = resolved_name(target)
+    if real is None:
+        return None
+    if not _is_callable_object(target):
+        return f"is {real}, not a class or function: " + TARGET_FIX
+    home = family or FRAMEWORK_FAMILY
+    if real != target:
+        if has_private_segment(real) or matches_prefix(real, DENIED_TARGETS):
+            return f"resolves to {real}, which is not allowed: " + TARGET_FIX
+        if not matches_prefix(real, [home, FRAMEWORK_FAMILY, *trusted]):
+            return f"resolves to {real}, outside the allowed families: " + TARGET_FIX
+    return None
+
+
+def _is_own_source(module: str) -> bool:
+    """Whether the top package of `module` is code outside Python and its installed packages:
+    the user's own project (an editable install or the working directory)."""
+    try:
+        spec = importlib.util.find_spec(module.split(".")[0])
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    places = [spec.origin] if spec.origin else []
+    places += list(spec.submodule_search_locations or [])
+    installed = {
+        Path(path).resolve()
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (path := sysconfig.get_paths().get(key))
+    }
+    if not places or any(not Path(place).is_absolute() for place in places):
+        return False  # built-in or frozen
+    return not any(
+        installed_dir in Path(place).resolve().parents or Path(place).resolve() == installed_dir
+        for place in places
+        for installed_dir in installed
+    )
+
+
+def trusted_prefixes(cfg: DictConfig | Mapping) -> tuple[str, ...]:
+    """allowed_targets, once each entry is known to be a module prefix of your own code: a
+    config (perhaps a colleague's) can trust your code, never the libraries installed."""
     extra = cfg.get("allowed_targets") or []
     for prefix in extra:
-        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", prefix):
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z]\w*(\.[A-Za-z]\w*)*", prefix):
             raise ConfigError(
                 f"allowed_targets entry {prefix!r} is invalid: use a dotted module prefix "
                 "such as my_package.models"
             )
-    return (*BUILTIN_TARGET_PREFIXES, *extra)
+        if matches_prefix(prefix, ["framework"]) or not _is_own_source(prefix):
+            raise ConfigError(f"allowed_targets entry {prefix!r} is refused: {TRUST_FIX}")
+    return tuple(extra)
 
 
-def check_targets(cfg: DictConfig | Mapping) -> None:
-    """Every `_target_` of the app config (Hydra's node excluded) must be allowed."""
-    allowed = allowed_target_prefixes(cfg)
+# --- Hydra's node ---------------------------------------------------------------------------
+# What Hydra's node may instantiate or call, by exact name: the launchers and sweepers that
+# Hydra, its plugins and we ship, the optuna sweeper's samplers, our validating callback,
+# Hydra's job-return logger and the logging classes of a console setup. Your own callbacks:
+# a module of yours in allowed_targets (config files only).
+HYDRA_NODE_TARGETS = frozenset(
+    {
+        "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+        "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
+        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
+        "hydra_plugins.framework_launchers.framework_launchers.SweepLauncher",
+        "hydra_plugins.framework_launchers.framework_launchers.SubmititSlurmLauncher",
+        "hydra_plugins.framework_launchers.framework_launchers.SubmititLocalLauncher",
+        "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper",
+        *(
+            f"optuna.samplers.{name}"
+            for name in ("GridSampler", "TPESampler", "RandomSampler", "CmaEsSampler")
+        ),
+        *(f"optuna.samplers.{name}" for name in ("NSGAIISampler", "MOTPESampler", "QMCSampler")),
+        "framework.command.validate_callback.ValidateBeforeRun",
+        "hydra.experimental.callbacks.LogJobReturnCallback",
+        "logging.StreamHandler",
+        "logging.FileHandler",
+        "logging.Formatter",
+    }
+)
+# Keys whose value names something to call: instantiate's `_target_`, the factories of
+# logging.config.dictConfig (`()` for any factory, `class` for handlers and formatters), which
+# Hydra applies to hydra.job_logging / hydra.hydra_logging, and the optuna sweeper's function.
+HYDRA_CALLABLE_KEYS = ("_target_", "()", "class", "custom_search_space")
+# Subtrees of Hydra's node that Hydra instantiates or hands to logging.config.
+HYDRA_CODE_NODES = (
+    "hydra.callbacks",
+    "hydra.launcher",
+    "hydra.sweeper",
+    "hydra.job_logging",
+    "hydra.hydra_logging",
+)
+# dictConfig imports any `ext://` name it is given; a console handler needs only these.
+LOGGING_STREAMS = ("ext://sys.stdout", "ext://sys.stderr")
+# A log file (a FileHandler's `filename`) lies in the run dir, or a config could append log
+# lines (holding config values) to any file, a shell's rc file included.
+LOG_FILE_PREFIX = "${hydra.runtime.output_dir}/"
+VALIDATE_CALLBACK = "hydra.callbacks.validate"
+# Variables that make every process started afterwards load code (hydra.job.env_set sets them).
+CODE_LOADING_ENV = re.compile(r"^(LD_.*|DYLD_.*|PYTHON.*|BASH_ENV|ENV|PERL5OPT|NODE_OPTIONS)$")
+HYDRA_NODE_FIX = (
+    "Hydra's node may name the launchers, sweepers, callbacks and logging classes that Hydra "
+    "and this framework ship, or your own modules listed in allowed_targets in a config file"
+)
+
+
+def hydra_target_problem(target: Any, trusted: Iterable[str] = ()) -> str | None:
+    """Why Hydra's node may not call `target`; None when it may."""
+    if isinstance(target, str) and target in HYDRA_NODE_TARGETS:
+        return None
+    if isinstance(target, str) and matches_prefix(target, trusted):
+        return target_problem(target, trusted)
+    return "is not allowed here: " + HYDRA_NODE_FIX
+
+
+def check_hydra_node(hydra_node: Mapping, trusted: Iterable[str]) -> None:
+    """Hydra's node as composed from every config file and override, unresolved: whatever
+    Hydra will instantiate, call or import from it must be allowed."""
+    for path, value in iter_leaves(hydra_node, "hydra"):
+        if not matches_prefix(path, HYDRA_CODE_NODES):
+            continue
+        problem = hydra_leaf_problem(path, value, trusted)
+        if problem:
+            raise ConfigError(problem)
+
+
+def hydra_leaf_problem(path: str, value: Any, trusted: Iterable[str]) -> str | None:
+    key = path.rsplit(".", 1)[-1]
+    text = value if isinstance(value, str) else ""
+    if key in HYDRA_CALLABLE_KEYS and value is not None:
+        if "${" in text:
+            return f"{path}={value}: an interpolation cannot name what Hydra calls"
+        problem = hydra_target_problem(value, trusted)
+        return f"{path}={value} {problem}" if problem else None
+    if text.startswith("ext://") and text not in LOGGING_STREAMS:
+        return f"{path}={value} would import a module: use {' or '.join(LOGGING_STREAMS)}"
+    if key == "filename" and (not text.startswith(LOG_FILE_PREFIX) or ".." in text):
+        return f"{path}={value}: a log file must lie in the run dir ({LOG_FILE_PREFIX}<name>)"
+    return None
+
+
+def check_targets(cfg: DictConfig | Mapping, shipped: Iterable[str] = ()) -> None:
+    """Every `_target_` of the app config (Hydra's node excluded) must be allowed, and so must
+    the arguments it is given."""
+    trusted, shipped = trusted_prefixes(cfg), frozenset(shipped)
     for path, value in iter_leaves(cfg, skip=("hydra",)):
         if path.rsplit(".", 1)[-1] != "_target_":
             continue
-        problem = target_problem(value, allowed, TARGET_FIX)
+        problem = target_problem(value, trusted, shipped)
         if problem:
             raise ConfigError(f"{path}={value} is not allowed: it {problem}")
+        _check_arguments(cfg, path.rpartition(".")[0], value)
+
+
+def _check_arguments(cfg: DictConfig | Mapping, node_path: str, target: str) -> None:
+    node = OmegaConf.select(cfg, node_path) if isinstance(cfg, DictConfig) else None
+    for family, names in DENIED_ARGUMENTS.items():
+        if node is None or not matches_prefix(target, [family]):
+            continue
+        for name in names:
+            if node.get(name) is not None:
+                raise ConfigError(
+                    f"{node_path}.{name}={node.get(name)} is not allowed: pretrained weights "
+                    "are unpickled from torch hub's cache; load them in your own model code "
+                    "(a module listed in allowed_targets)"
+                )
 
 
 def iter_leaves(node: Any, path: str = "", skip: Iterable[str] = ()) -> Iterator[tuple[str, Any]]:
@@ -200,7 +364,7 @@ def override_leaves(override: Any) -> Iterator[tuple[str, Any]]:
 def command_line_problem(path: str, value: Any) -> str | None:
     """Why setting `path` to `value` from the command line is refused, or None."""
     if matches_prefix(path, ["allowed_targets"]):
-        return f"{path} cannot be set on the command line: {TARGET_FIX}"
+        return f"{path} cannot be set on the command line: list your own modules in a config file"
     if not matches_prefix(path, ["hydra"]):
         return None
     holds_callback = path in ("hydra", "hydra.callbacks") or matches_prefix(
@@ -220,9 +384,9 @@ def command_line_problem(path: str, value: Any) -> str | None:
     if matches_prefix(path, HYDRA_CODE_NODES) and isinstance(value, str) and "${" in value:
         return f"{path}={value}: interpolations are not allowed here on the command line"
     if path.rsplit(".", 1)[-1] in HYDRA_CALLABLE_KEYS:
-        problem = target_problem(value, HYDRA_NODE_PREFIXES, "set it in a config file")
+        problem = hydra_target_problem(value)
         if problem:
-            return f"{path}={value} is not allowed on the command line: it {problem}"
+            return f"{path}={value} {problem}"
     return None
 
 

@@ -238,6 +238,11 @@ def build_data(
     splits = instantiate(cfg.data, collate_fn=None)  # the loaders' collate_fn is built below
     collate_node = cfg.data.get("collate_fn")
     collate_fn = instantiate(collate_node) if collate_node is not None else None
+    if len(splits.val) == 0:  # evaluation would fail at its first batch, after training
+        raise ConfigError(
+            f"data: the validation split of {cfg.data._target_} is empty: give it samples "
+            "(data.val_size, data.val_fraction or your loader's own split)"
+        )
     loaders = build_loaders(splits, cfg.data, env, cfg.trainer.seed, device, collate_fn)
     if len(loaders.train) < cfg.trainer.grad_accum:
         raise ConfigError(

@@ -241,3 +241,16 @@ def throwaway_dir() -> Path:
 
 def is_throwaway(path: Path) -> bool:
     return path.name.startswith(THROWAWAY_PREFIX)
+
+
+def creation_problem(path: Path) -> str | None:
+    """Why `path` cannot be created as a run dir (its nearest existing folder is a file or not
+    writable), or None. Checked before Hydra creates it, which would end in a traceback."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None

@@ -44,7 +44,7 @@ REFUSED = [
     ),
     (
         ["+model.evil={_target_:torchvision.datasets.mnist.shutil.copy,src:src.txt,dst:marker}"],
-        "resolves to shutil.copy",
+        "outside the allowed families",
     ),
     (
         [
@@ -58,18 +58,61 @@ REFUSED = [
         ["allowed_targets=[builtins]", "+model.evil={_target_:builtins.open,file:marker,mode:w}"],
         "allowed_targets cannot be set on the command line",
     ),
+    # A private torch function that execs its argument, from every entry point.
+    (
+        [
+            "+model.evil={_target_:torch.fx.graph_module._exec_with_source,"
+            "src:\"open('marker','w')\",globals:{}}"
+        ],
+        "model.evil._target_=torch.fx.graph_module._exec_with_source is not allowed",
+    ),
+    (["-cd", "evil_conf", "model=evil"], "names a private (`_`) module"),
+    (["-cd", "evil_conf", "experiment=evil_callback"], "hydra.callbacks.evil._target_="),
+    (["-cd", "evil_conf", "experiment=evil_logging"], "hydra.hydra_logging.handlers.evil.()"),
+    (["-cd", "evil_conf", "-m", "experiment=evil_callback,evil_logging"], "is not allowed here"),
+    (
+        ["-cd", "evil_conf", "experiment=trusts_torch", "model=evil"],
+        "allowed_targets entry 'torch' is refused",
+    ),
+    # Files outside the run dir, through a logger's settings.
+    (["logger=csv", "logger.csv.filename=../marker"], "logger.csv.filename=../marker must be"),
+    (
+        ["logger=mlflow", "logger.mlflow.tracking_uri=sqlite:///marker"],
+        "logger.mlflow.tracking_uri=sqlite:///marker is a local store",
+    ),
 ]
+EXEC = "_target_: torch.fx.graph_module._exec_with_source\nsrc: open('marker', 'w')\nglobals: {}\n"
+EVIL_CONF = {
+    "model/evil.yaml": EXEC,
+    "experiment/evil_callback.yaml": (
+        "# @package _global_\nhydra:\n  callbacks:\n    evil:\n      "
+        + EXEC.replace("\n", "\n      ")
+    ),
+    "experiment/evil_logging.yaml": (
+        "# @package _global_\nhydra:\n  hydra_logging:\n    handlers:\n      evil:\n"
+        "        (): shutil.copy\n        src: src.txt\n        dst: marker\n"
+    ),
+    "experiment/trusts_torch.yaml": "# @package _global_\nallowed_targets: [torch]\n",
+}
+
+
+def write_evil_conf(root: Path) -> None:
+    for name, text in EVIL_CONF.items():
+        (root / "evil_conf" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "evil_conf" / name).write_text(text)
 
 
 @pytest.mark.parametrize(("overrides", "expected"), REFUSED, ids=lambda v: str(v))
 def test_a_refused_target_runs_nothing_and_makes_no_run_dir(cli, tmp_path, overrides, expected):
     (tmp_path / "src.txt").write_text("copied\n")
+    write_evil_conf(tmp_path)
     result = cli(*overrides, *TINY_RUN, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line
     assert result.stderr.startswith("error: ") and expected in result.stderr, result.stderr
     assert not (tmp_path / "marker").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.txt"]  # no outputs/, multirun/
+    # No outputs/, multirun/, mlflow.db or log file.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["evil_conf", "src.txt"]
 
 
 def files_holding(root: Path, secrets: list[str]) -> list[Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,3 +91,23 @@ def test_cifar10_reads_a_local_folder_in_torchvision_format(tmp_path, point_at):
     assert len(splits.train) == 40 and len(splits.val) == 6
     image, label = splits.train[0]
     assert image.shape == (3, 32, 32) and 0 <= label < 10
+
+
+class _PlantsAFile:
+    """A pickle that runs code when it is loaded (here: it creates a file)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_cifar_folder_holding_a_code_pickle_is_refused_unrun(tmp_path):
+    make_tiny_cifar(tmp_path)
+    marker = tmp_path / "ran"
+    with open(tmp_path / "cifar-10-batches-py" / "test_batch", "wb") as handle:
+        pickle.dump({"data": _PlantsAFile(marker), "labels": [0]}, handle, protocol=2)
+    with pytest.raises(pickle.UnpicklingError, match="is not CIFAR-10 data"):
+        cifar10(root=str(tmp_path))
+    assert not marker.exists()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from framework.command.hydra_node_check import check_composed_hydra_node
 from framework.config import validate
 from framework.config.redaction import (
     REDACTED,
@@ -23,18 +25,20 @@ from framework.config.redaction import (
     secret_values,
     write_hydra_record,
 )
-from framework.config.registry import register_configs
+from framework.config.registry import register_configs, shipped_targets
 from framework.core.allowlist import (
     check_command_line,
+    check_hydra_node,
     check_targets,
     matches_prefix,
     target_problem,
+    trusted_prefixes,
 )
 from framework.core.exits import ConfigError
 from tests.conftest import CONF_DIR, REPO, make_cfg
 
 SECRET = "PLANTED-SECRET-123"
-FIX = "add the module prefix to allowed_targets in a config file"
+FIX = "one of your own modules listed in allowed_targets in a config file"
 
 
 # --- the allowlist --------------------------------------------------------------------------
@@ -53,41 +57,97 @@ def test_prefixes_match_on_module_boundaries(name, prefixes, expected):
     assert matches_prefix(name, prefixes) is expected
 
 
+SHIPPED_TARGETS = shipped_targets()
+
+
 @pytest.mark.parametrize(
     "target",
     [
         "torch.optim.SGD",
         "torch.optim.lr_scheduler.CosineAnnealingLR",
+        "torch.nn.Linear",
+        "torch.nn.init.kaiming_normal_",
+        "torch.utils.data.TensorDataset",
         "torchvision.models.resnet18",
+        "torchvision.transforms.Compose",
         "framework.components.models.SmallCNN",
         "framework.components.data.digits",
+        "framework.components.data.PadSequences",
     ],
 )
-def test_builtin_prefixes_allow_the_usual_targets(target):
-    assert target_problem(target, ["torch", "torchvision", "framework"], FIX) is None
+def test_the_families_allow_the_usual_targets(target):
+    assert target_problem(target, shipped=SHIPPED_TARGETS) is None
 
 
 @pytest.mark.parametrize(
     ("target", "expected"),
     [
-        ("builtins.open", "outside the allowed module prefixes"),
-        ("shutil.copy", "outside the allowed module prefixes"),
-        ("os.system", "outside the allowed module prefixes"),
-        ("subprocess.run", "outside the allowed module prefixes"),
-        ("importlib.import_module", "outside the allowed module prefixes"),
-        ("torchevil.nn.Linear", "outside the allowed module prefixes"),
-        # Allowed by name, but really something else: judged by what it resolves to.
-        ("torch.os.system", "resolves to posix.system"),
-        ("torchvision.datasets.mnist.shutil.copy", "resolves to shutil.copy"),
-        # Inside torch, but they load code named by their arguments.
-        ("torch.hub.load", "can load or run arbitrary code"),
-        ("torch.load", "can load or run arbitrary code"),
-        ("torch.utils.cpp_extension.load_inline", "can load or run arbitrary code"),
+        ("builtins.open", "outside the allowed families"),
+        ("shutil.copy", "outside the allowed families"),
+        ("os.system", "outside the allowed families"),
+        ("subprocess.run", "outside the allowed families"),
+        ("importlib.import_module", "outside the allowed families"),
+        ("torchevil.nn.Linear", "outside the allowed families"),
+        # A path through an imported module, or through a family's submodule.
+        ("torch.os.system", "outside the allowed families"),
+        ("torchvision.datasets.mnist.shutil.copy", "outside the allowed families"),
+        ("torch.nn.functional.torch.load", "outside the allowed families"),
+        ("torch.nn.modules.linear.Linear", "outside the allowed families"),
+        # Inside torch, but they run code, load pickles or write files.
+        ("torch.hub.load", "outside the allowed families"),
+        ("torch.load", "outside the allowed families"),
+        ("torch.fx.graph_module._exec_with_source", "private"),
+        ("torch.utils.cpp_extension.load_inline", "outside the allowed families"),
+        ("torchvision.datasets.CIFAR10", "outside the allowed families"),
+        ("torchvision.models.ResNet18_Weights", "outside the allowed families"),
+        ("torchvision.models.get_model", "never allowed"),
+        # A public name of a family that is really something private or a module.
+        ("torch.utils.data.IterDataPipe", "resolves to torch.utils.data.datapipes"),
+        ("torchvision.models.resnet", "not a class or function"),
+        # Our own package beyond the shipped options: what a run builds itself.
+        ("framework.components.loggers.JsonlSink", "outside the allowed families"),
+        ("framework.storage.run_dir.RunDir", "outside the allowed families"),
+        ("framework.components.loggers.os.system", "outside the allowed families"),
     ],
 )
 def test_dangerous_targets_are_refused_with_the_reason(target, expected):
-    problem = target_problem(target, ["torch", "torchvision", "framework"], FIX)
+    problem = target_problem(target, shipped=SHIPPED_TARGETS)
     assert problem is not None and expected in problem
+
+
+def test_a_trusted_prefix_allows_only_what_resolves_inside_it():
+    trusted = ["tests.integration"]
+    assert target_problem("tests.integration.byo_components.TinyNet", trusted) is None
+    problem = target_problem("tests.integration.byo_components.torch.load", trusted)
+    assert problem is not None and "resolves to torch.serialization.load" in problem
+    assert "private" in target_problem("tests.integration._hidden.x", trusted)
+
+
+def test_pretrained_weights_are_refused_by_argument():
+    cfg = make_cfg("+model.backbone={_target_:torchvision.models.resnet18,weights:IMAGENET1K_V1}")
+    with pytest.raises(ConfigError, match=r"model.backbone.weights=IMAGENET1K_V1 is not allowed"):
+        check_targets(cfg, SHIPPED_TARGETS)
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ("os", "is refused"),  # the standard library
+        ("torch", "is refused"),  # an installed package
+        ("hydra", "is refused"),
+        ("framework", "is refused"),  # beyond the shipped targets
+        ("not_a_module_anywhere", "is refused"),
+        ("not a module", "is invalid"),
+        ("tests._private", "is invalid"),
+    ],
+)
+def test_allowed_targets_trusts_only_your_own_code(entry, expected):
+    with pytest.raises(ConfigError, match=f"allowed_targets entry '{entry}' {expected}"):
+        trusted_prefixes({"allowed_targets": [entry]})
+
+
+def test_allowed_targets_trusts_a_module_of_this_checkout():
+    assert trusted_prefixes({"allowed_targets": ["tests.integration"]}) == ("tests.integration",)
 
 
 def test_check_targets_names_the_key_the_target_and_the_fix():
@@ -102,7 +162,7 @@ def test_check_targets_names_the_key_the_target_and_the_fix():
 def test_a_target_reached_through_an_interpolation_is_checked_resolved():
     cfg = make_cfg("+data.name=shutil.copy", "+model.evil._target_=${data.name}")
     with pytest.raises(ConfigError, match=r"model.evil._target_=shutil.copy"):
-        check_targets(cfg)
+        check_targets(cfg, SHIPPED_TARGETS)
 
 
 def test_allowed_targets_from_a_config_adds_a_prefix():
@@ -112,7 +172,7 @@ def test_allowed_targets_from_a_config_adds_a_prefix():
     validate(cfg)
     without = OmegaConf.merge(cfg, {"allowed_targets": []})
     with pytest.raises(ConfigError, match=r"model._target_=tests.integration.byo_components"):
-        check_targets(without)
+        check_targets(without, SHIPPED_TARGETS)
 
 
 def test_an_invalid_allowed_targets_entry_is_refused():
@@ -145,7 +205,7 @@ SHIPPED = [
 
 @pytest.mark.parametrize("override", SHIPPED)
 def test_every_shipped_option_and_experiment_passes_the_allowlist(override):
-    check_targets(make_cfg(override))
+    check_targets(make_cfg(override), SHIPPED_TARGETS)
 
 
 # --- the command line -----------------------------------------------------------------------
@@ -166,8 +226,12 @@ REFUSED = [
         "evil.()=shutil.copy",
     ),
     (["+hydra.job_logging.handlers.evil={class:shutil.copy}"], "evil.class=shutil.copy"),
-    (["+hydra.callbacks.evil._target_=hydra.core.utils.os.system"], "resolves to posix.system"),
-    (["+hydra.callbacks.evil._target_=hydra.utils.instantiate"], "can load or run arbitrary"),
+    (["+hydra.callbacks.evil._target_=hydra.core.utils.os.system"], "is not allowed here"),
+    (["+hydra.callbacks.evil._target_=hydra.utils.instantiate"], "is not allowed here"),
+    (
+        ["+hydra.callbacks.evil._target_=torch.fx.graph_module._exec_with_source"],
+        "is not allowed here",
+    ),
     (["+hydra.callbacks.evil=${model}"], "interpolations are not allowed"),
     (["hydra.sweeper.params={+hydra.callbacks.e._target_:shutil.copy}"], "shutil.copy"),
     (
@@ -208,6 +272,108 @@ def test_the_command_line_cannot_reach_code_through_hydras_node(argv, expected):
 )
 def test_ordinary_command_lines_pass(argv):
     check_command_line(argv)
+
+
+# --- Hydra's node, composed from the config files ---------------------------------------------
+def write_yaml(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+HYDRA_NODE_GADGETS = [
+    ("callbacks:\n    evil:\n      _target_: shutil.copy", "hydra.callbacks.evil._target_"),
+    (
+        "callbacks:\n    evil:\n      _target_: torch.fx.graph_module._exec_with_source",
+        "hydra.callbacks.evil._target_",
+    ),
+    ("callbacks:\n    evil:\n      _target_: ${oc.env:X}", "an interpolation cannot name"),
+    (
+        "hydra_logging:\n    handlers:\n      evil:\n        (): shutil.copy",
+        "hydra.hydra_logging.handlers.evil.()",
+    ),
+    (
+        "hydra_logging:\n    handlers:\n      console:\n        stream: ext://antigravity.x",
+        "would import a module",
+    ),
+    (
+        "hydra_logging:\n    handlers:\n      f:\n        class: logging.FileHandler\n"
+        "        filename: /root/.bashrc",
+        "a log file must lie in the run dir",
+    ),
+]
+
+
+def test_the_optuna_sweepers_function_is_checked(tmp_path):
+    write_yaml(
+        tmp_path / "experiment" / "evil.yaml",
+        "# @package _global_\nhydra:\n  sweeper:\n    custom_search_space: os.system\n",
+    )
+    argv = ["-cd", str(tmp_path), "hydra/sweeper=optuna", "experiment=evil"]
+    with pytest.raises(ConfigError, match="custom_search_space=os.system is not allowed"):
+        check_composed_hydra_node(argv)
+
+
+@pytest.mark.parametrize(("node", "expected"), HYDRA_NODE_GADGETS, ids=lambda v: str(v)[:40])
+def test_an_experiment_file_cannot_name_code_in_hydras_node(tmp_path, node, expected):
+    write_yaml(tmp_path / "experiment" / "evil.yaml", f"# @package _global_\nhydra:\n  {node}\n")
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        check_composed_hydra_node(["-cd", str(tmp_path), "experiment=evil"])
+
+
+def test_a_swept_experiment_is_checked_job_by_job(tmp_path):
+    write_yaml(
+        tmp_path / "experiment" / "fine.yaml", "# @package _global_\ntrainer:\n  max_steps: 2\n"
+    )
+    write_yaml(
+        tmp_path / "experiment" / "evil.yaml",
+        "# @package _global_\nhydra:\n  job_logging:\n    handlers:\n      e:\n"
+        "        (): shutil.copy\n",
+    )
+    with pytest.raises(ConfigError, match=r"hydra.job_logging.handlers.e.\(\)=shutil.copy"):
+        check_composed_hydra_node(["-cd", str(tmp_path), "-m", "experiment=fine,evil"])
+
+
+def test_sweeper_params_in_a_file_are_checked_as_jobs(tmp_path):
+    write_yaml(
+        tmp_path / "extra" / "evil.yaml",
+        "# @package _global_\nhydra:\n  job_logging:\n    handlers:\n      e:\n"
+        "        class: subprocess.Popen\n",
+    )
+    write_yaml(
+        tmp_path / "experiment" / "sweep.yaml",
+        "# @package _global_\nhydra:\n  sweeper:\n    params:\n      +extra: none,evil\n",
+    )
+    write_yaml(tmp_path / "extra" / "none.yaml", "# @package _global_\n{}\n")
+    with pytest.raises(ConfigError, match="class=subprocess.Popen"):
+        check_composed_hydra_node(["-cd", str(tmp_path), "-m", "experiment=sweep"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["launcher=slurm"],
+        ["hydra/launcher=submitit_local"],
+        ["-m", "optimizer.lr=0.1,0.05", "experiment=digits_cnn"],
+        ["hydra/sweeper=optuna"],
+        ["hydra/job_logging=default"],
+    ],
+)
+def test_shipped_hydra_nodes_pass(argv):
+    check_composed_hydra_node(argv)
+
+
+def test_your_own_callback_passes_once_its_module_is_trusted(tmp_path):
+    write_yaml(
+        tmp_path / "experiment" / "mine.yaml",
+        "# @package _global_\nallowed_targets: [tests]\nhydra:\n  callbacks:\n    mine:\n"
+        "      _target_: hydra.experimental.callbacks.LogJobReturnCallback\n",
+    )
+    check_composed_hydra_node(["-cd", str(tmp_path), "experiment=mine"])
+    check_hydra_node({"callbacks": {"x": {"_target_": "tests.faults.FaultyMLP"}}}, ["tests"])
+    with pytest.raises(ConfigError, match="is not allowed here"):
+        check_hydra_node({"callbacks": {"x": {"_target_": "tests.faults.FaultyMLP"}}}, [])
 
 
 def test_secret_overrides_move_to_the_environment_and_still_resolve(monkeypatch):

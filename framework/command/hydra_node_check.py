@@ -1,0 +1,107 @@
+"""Hydra's own node, composed from every config file before Hydra starts.
+
+Hydra configures its logging from the composed node and instantiates its callbacks, launcher and
+sweeper before any callback of ours runs, so a config file (an experiment of a colleague's, a
+group option in a folder on the search path) could name code there. This composes the config
+exactly as Hydra will (same search path, config name, overrides and run mode, and each job of a
+sweep), without configuring anything, and checks what Hydra would call (core/allowlist.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config import CONF_DIR
+from framework.config.registry import register_configs
+from framework.core.allowlist import check_hydra_node, trusted_prefixes
+
+APP_FILE = Path(__file__).resolve().parents[1] / "train.py"  # where @hydra.main is
+
+
+def check_composed_hydra_node(argv: list[str]) -> None:
+    """Raise ConfigError when a composed Hydra node (the run's, or any sweep job's) names code
+    that is not allowed. Compositions Hydra will refuse itself are left to Hydra."""
+    args = _parsed(argv)
+    if args is None or args.overrides is None:
+        return
+    register_configs()  # the schemas the YAML files extend (train.py registers them too)
+    loader = ConfigLoaderImpl(config_search_path=_search_path(args))
+    for cfg in _compositions(loader, args):
+        hydra_node = OmegaConf.to_container(cfg.hydra, resolve=False)
+        assert isinstance(hydra_node, dict)
+        check_hydra_node(hydra_node, trusted_prefixes(cfg))
+
+
+def _parsed(argv: list[str]) -> argparse.Namespace | None:
+    parser = get_args_parser()
+
+    def refuse(message: str) -> None:
+        raise ValueError(message)
+
+    parser.error = refuse  # type: ignore[method-assign]  (Hydra reports bad arguments itself)
+    try:
+        return parser.parse_args(argv)
+    except ValueError:
+        return None
+
+
+def _search_path(args: argparse.Namespace):  # noqa: ANN202  (Hydra's ConfigSearchPathImpl)
+    config_path = args.config_path if args.config_path is not None else str(CONF_DIR)
+    search_path = create_automatic_config_search_path(str(APP_FILE), None, config_path)
+    if args.config_dir is not None:
+        search_path.prepend(
+            provider="command-line",
+            path=f"file://{os.path.abspath(args.config_dir)}",
+            anchor=SearchPathQuery(provider="schema"),
+        )
+    return search_path
+
+
+def _compositions(loader: ConfigLoaderImpl, args: argparse.Namespace) -> Iterator[DictConfig]:
+    """The config of the run; for a sweep, its master config and each value of each swept key
+    (the others at their first value): every file any job selects is composed once."""
+    name = args.config_name or "config"
+    mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
+    try:
+        master = loader.load_configuration(name, list(args.overrides), run_mode=mode)
+    except Exception:  # Hydra will refuse the same composition before calling anything
+        return
+    yield master
+    if mode is RunMode.RUN:
+        return
+    swept = _sweep_values(master, list(args.overrides))
+    first = {key: values[0] for key, values in swept.items()}
+    for key, values in swept.items():
+        for value in values[1:]:
+            job = [f"{k}={v}" for k, v in {**first, key: value}.items()]
+            try:
+                yield loader.load_sweep_config(master, job)
+            except Exception:  # this job fails in Hydra too, before its logging is set up
+                continue
+
+
+def _sweep_values(master: DictConfig, overrides: list[str]) -> dict[str, list[str]]:
+    """Each swept key's values as override text, from the command line and from
+    hydra.sweeper.params (the basic sweeper applies both)."""
+    params = OmegaConf.to_container(master.hydra.sweeper, resolve=False).get("params") or {}
+    lines = [f"{key}={value}" for key, value in params.items()] + overrides
+    swept: dict[str, list[str]] = {}
+    for override in OverridesParser.create().parse_overrides(lines):
+        if not override.is_sweep_override():
+            continue
+        try:
+            values = [str(value) for value in override.sweep_string_iterator()]
+        except Exception:  # an interval or a glob: numbers or names, no file of their own
+            continue
+        swept[override.get_key_element()] = values
+    return swept
