@@ -125,6 +125,7 @@ def env_secret_values(environ: Mapping[str, str]) -> set[str]:
         words = name_words(name)
         if is_secret_name(name) and words[-1] not in NOT_SECRET_LAST_WORDS and _secret_text(value):
             values.add(value)
+        values |= url_passwords(value)  # MLFLOW_TRACKING_URI=https://user:password@host
     return values
 
 
@@ -135,7 +136,28 @@ def secret_values(cfg: Any, environ: Mapping[str, str]) -> set[str]:
         text = _secret_text(value)
         if text and is_secret_name(path):
             values.add(text)
+        if isinstance(value, str):
+            values |= url_passwords(value)
     return values
+
+
+# The password of a URL's credentials (`https://user:password@host`, a tracking URI, a data
+# mirror): redacted wherever a URL appears, under any key.
+URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)(?P<password>[^@\s/]+)@")
+
+
+def url_passwords(text: str) -> set[str]:
+    """Passwords long enough to be replaced wherever else they appear (a log line quoting
+    one without its URL); a URL itself is always redacted by pattern."""
+    return {
+        match["password"]
+        for match in URL_PASSWORD.finditer(text)
+        if len(match["password"]) >= MIN_SECRET_LENGTH
+    }
+
+
+def _redact_url_passwords(text: str) -> str:
+    return URL_PASSWORD.sub(lambda match: f"{match['head']}{REDACTED}@", text)
 
 
 def redact(value: Any, secrets: Iterable[str], secret_key: bool = False) -> Any:
@@ -151,6 +173,7 @@ def redact(value: Any, secrets: Iterable[str], secret_key: bool = False) -> Any:
     if secret_key and _secret_text(value) is not None:
         return REDACTED
     if isinstance(value, str):
+        value = _redact_url_passwords(value)
         for secret in sorted(secrets, key=len, reverse=True):  # longest first: no partial leaks
             value = value.replace(secret, REDACTED)
     return value

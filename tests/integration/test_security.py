@@ -160,15 +160,33 @@ def test_planted_secrets_reach_neither_the_run_dir_nor_wandb(cli, tmp_path):
     assert_no_file_holds(tmp_path, [TOKEN, WANDB_KEY])
 
 
+URL_PASSWORD = "PLANTED-PASSWORD-321"  # the password of a data mirror's URL
+ENV_URL_PASSWORD = "PLANTED-PASSWORD-654"  # inside $MLFLOW_TRACKING_URI
+FILE_URL_PASSWORD = "PLANTED-PASSWORD-987"  # in an experiment file
+
+
 def test_a_multirun_writes_no_secret_either(cli, tmp_path):
+    experiment = tmp_path / "conf" / "experiment" / "mirror.yaml"
+    experiment.parent.mkdir(parents=True)
+    experiment.write_text(
+        f"# @package _global_\ndata:\n  backup: https://amy:{FILE_URL_PASSWORD}@example.org/x\n"
+    )
     result = cli(
         "-m",
+        "-cd",
+        "conf",
+        "+experiment=mirror",
         f"+data.api_token={TOKEN}",
         f"+hydra.job.env_set.MY_TOKEN={ENV_SET_TOKEN}",
-        "optimizer.lr=0.1",
+        f"+hydra.job.env_set.HF_TOKEN={ENV_SET_TOKEN}",
+        f"+data.mirror=https://bob:{URL_PASSWORD}@example.com/data",
+        "optimizer.lr=0.1,0.05",
         *TINY_RUN,
         cwd=tmp_path,
-        env={"WANDB_API_KEY": WANDB_KEY},
+        env={
+            "WANDB_API_KEY": WANDB_KEY,
+            "MLFLOW_TRACKING_URI": f"https://u:{ENV_URL_PASSWORD}@mlflow.example.com",
+        },
     )
     assert result.returncode == 0, result.stderr[-3000:]
     [sweep_dir] = tmp_path.glob("multirun/*/*")
@@ -176,6 +194,10 @@ def test_a_multirun_writes_no_secret_either(cli, tmp_path):
     assert OmegaConf.load(sweep_dir / "multirun.yaml").data.api_token == REDACTED
     hydra_record = OmegaConf.load(sweep_dir / "0" / ".hydra" / "hydra.yaml")
     assert hydra_record.hydra.job.env_set.MY_TOKEN == REDACTED
-    for secret in (TOKEN, WANDB_KEY, ENV_SET_TOKEN):
+    job_config = OmegaConf.load(sweep_dir / "1" / "config.yaml")
+    assert job_config.data.mirror == f"https://bob:{REDACTED}@example.com/data"
+    assert job_config.data.backup == f"https://amy:{REDACTED}@example.org/x"
+    secrets = [TOKEN, WANDB_KEY, ENV_SET_TOKEN, URL_PASSWORD, ENV_URL_PASSWORD, FILE_URL_PASSWORD]
+    for secret in secrets:
         assert secret not in result.stdout + result.stderr
-    assert_no_file_holds(tmp_path, [TOKEN, WANDB_KEY, ENV_SET_TOKEN])
+    assert_no_file_holds(tmp_path, secrets)

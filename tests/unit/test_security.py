@@ -542,3 +542,27 @@ def test_the_multirun_master_is_redacted_in_place_but_keeps_the_overrides():
     redact_multirun_master(cfg)
     assert cfg.data.api_token == REDACTED and cfg.hydra.job.env_set.MY_TOKEN == REDACTED
     assert list(cfg.hydra.overrides.task) == overrides  # the jobs are composed from these
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("https://bob:hunter2@example.com/x", f"https://bob:{REDACTED}@example.com/x"),
+        ("sqlite+pysql://u:p@db:5432", f"sqlite+pysql://u:{REDACTED}@db:5432"),
+        (
+            "mirror https://:tok3n@h and s3://k:v@b",
+            f"mirror https://:{REDACTED}@h and s3://k:{REDACTED}@b",
+        ),
+        ("https://example.com/a:b@c", "https://example.com/a:b@c"),  # no credentials
+        ("user@example.com", "user@example.com"),
+    ],
+)
+def test_url_passwords_are_redacted_under_any_key(text, expected):
+    assert redact({"data": {"mirror": text}}, set()) == {"data": {"mirror": expected}}
+
+
+def test_a_url_password_on_the_command_line_moves_to_the_environment():
+    environ: dict[str, str] = {}
+    argv = hide_command_line_secrets(["+data.mirror=https://bob:hunter22@example.com"], environ)
+    assert argv == ["+data.mirror=${oc.env:FRAMEWORK_SECRET_DATA_MIRROR}"]
+    assert environ == {"FRAMEWORK_SECRET_DATA_MIRROR": "https://bob:hunter22@example.com"}
