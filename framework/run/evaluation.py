@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from framework.components.data import Loaders, to_device
 from framework.components.precision import Precision
 from framework.components.tasks import Task
+from framework.components.tasks.base import pack_states, unpack_states
 from framework.config.redaction import redacted_container
 from framework.config.settings import must_match_in_eval, training_settings
 from framework.config.validation import resolve_objective
@@ -42,20 +43,19 @@ def evaluate(
     split: str = "val",
 ) -> dict[str, float]:
     """The task's metrics over a whole split: every rank adds up the task's sum states over its
-    shard (no padding, no duplicates) on the device, then one all-reduce of all of them."""
+    shard (no padding, no duplicates) on the device, packed into one vector whatever their
+    shapes (task.state_shapes), then one all-reduce of all of them."""
     model.eval()
-    names = task.states
+    shapes = {name: task.state_shapes.get(name, ()) for name in task.states}
     device = next(model.parameters()).device
-    totals = torch.zeros(len(names), dtype=torch.float64, device=device)
+    totals = pack_states(task, {name: torch.zeros(shapes[name]) for name in shapes}, shapes, device)
     for batch in loader:
         batch = to_device(batch)
         with precision.forward_context():
             states = task.evaluate(model, batch)
-        totals += torch.stack(
-            [torch.as_tensor(states[name], device=device).double() for name in names]
-        )
-    reduced = dict(zip(names, all_reduce_sum(totals).tolist(), strict=True))
-    return {f"{split}/{name}": value for name, value in task.compute(reduced).items()}
+        totals += pack_states(task, states, shapes, device)
+    reduced = unpack_states(task, all_reduce_sum(totals), shapes)
+    return {f"{split}/{name}": float(value) for name, value in task.compute(reduced).items()}
 
 
 def evaluate_checkpoint(

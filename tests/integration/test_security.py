@@ -169,13 +169,14 @@ def test_a_multirun_writes_no_secret_either(cli, tmp_path):
     experiment = tmp_path / "conf" / "experiment" / "mirror.yaml"
     experiment.parent.mkdir(parents=True)
     experiment.write_text(
-        f"# @package _global_\ndata:\n  backup: https://amy:{FILE_URL_PASSWORD}@example.org/x\n"
+        "# @package _global_\nhydra:\n  job:\n    env_set:\n"
+        f"      DATA_MIRROR: https://amy:{FILE_URL_PASSWORD}@example.org/x\n"
     )
     result = cli(
         "-m",
         "-cd",
         "conf",
-        "+experiment=mirror",
+        "experiment=mirror",
         f"+data.api_token={TOKEN}",
         f"+hydra.job.env_set.MY_TOKEN={ENV_SET_TOKEN}",
         f"+hydra.job.env_set.HF_TOKEN={ENV_SET_TOKEN}",
@@ -196,8 +197,9 @@ def test_a_multirun_writes_no_secret_either(cli, tmp_path):
     assert hydra_record.hydra.job.env_set.MY_TOKEN == REDACTED
     job_config = OmegaConf.load(sweep_dir / "1" / "config.yaml")
     assert job_config.data.mirror == f"https://bob:{REDACTED}@example.com/data"
-    assert job_config.data.backup == f"https://amy:{REDACTED}@example.org/x"
+    job_record = OmegaConf.load(sweep_dir / "1" / ".hydra" / "hydra.yaml")
+    assert job_record.hydra.job.env_set.DATA_MIRROR == f"https://amy:{REDACTED}@example.org/x"
     secrets = [TOKEN, WANDB_KEY, ENV_SET_TOKEN, URL_PASSWORD, ENV_URL_PASSWORD, FILE_URL_PASSWORD]
     for secret in secrets:
         assert secret not in result.stdout + result.stderr
-    assert_no_file_holds(tmp_path, secrets)
+    assert files_holding(tmp_path, secrets) == [Path("conf/experiment/mirror.yaml")]  # the source

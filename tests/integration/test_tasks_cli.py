@@ -92,6 +92,35 @@ def test_a_task_from_the_users_own_package_trains_on_two_ranks(cli, tmp_path):
     assert len(lines) + len(yaml.read_text().splitlines()) < 40
 
 
+def test_a_matrix_state_reduces_exactly_across_ranks(cli, tmp_path):
+    """A confusion matrix summed over 2 ranks (batch 16 each) gives the metrics of 1 rank
+    (batch 32), and the metrics scikit-learn computes from the predictions."""
+    summaries = []
+    for ranks, batch in ((2, 16), (1, 32)):
+        run_dir = tmp_path / f"ranks{ranks}"
+        result = cli(
+            "task=balanced",
+            "data.val_fraction=0.21",  # 378 validation images: odd-sized shards
+            "trainer.max_epochs=null",
+            "trainer.max_steps=6",
+            f"data.batch_size={batch}",
+            f"launcher.nproc_per_node={ranks}",
+            f"hydra.run.dir={run_dir}",
+            cwd=tmp_path,
+            env={
+                "PYTHONPATH": str(REPO),
+                "FRAMEWORK_CONFIG_PATH": "pkg://tests.integration.my_experiments.conf",
+            },
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        summaries.append(json.loads((run_dir / "summary.json").read_text()))
+    two, one = summaries
+    assert two["objective"] == "val/balanced_accuracy" and two["world_size"] == 2
+    for name in ("val/balanced_accuracy", "val/accuracy", "val/loss"):
+        assert two[name] == pytest.approx(one[name], rel=1e-5), name
+    assert 0.2 < two["val/balanced_accuracy"] <= 1
+
+
 MISFITS = [
     (
         ["task=language_model"],

@@ -24,6 +24,7 @@ from framework.components.tasks import (
     TaskLoss,
     first_batch,
 )
+from framework.components.tasks.base import pack_states, unpack_states
 from framework.config import validate
 from framework.core.exits import ConfigError
 from tests.conftest import make_cfg
@@ -147,7 +148,7 @@ class VectorLoss(Task):
         return batch[1].numel()
 
     def loss(self, model, batch):
-        return TaskLoss(F.cross_entropy(model(batch[0]), batch[1], reduction="none"))
+        return TaskLoss.sum(F.cross_entropy(model(batch[0]), batch[1], reduction="none"))
 
     def evaluate(self, model, batch):
         return {"loss": self.loss(model, batch).total.sum(), "count": batch[1].numel()}
@@ -265,3 +266,104 @@ def test_batches_of_any_nesting_move_to_the_device_and_only_images_go_channels_l
     assert moved["mask"].is_contiguous()  # 4-D but not floating point: not an image
     assert isinstance(moved["pair"], tuple) and isinstance(moved["pair"][1], list)
     assert moved["name"] == "x"
+
+
+# --- the loss says whether it is a sum or a mean ---------------------------------------------
+class MeanLoss(VectorLoss):
+    """A user's task whose loss is a mean, passed where the interface wants a sum."""
+
+    name = "mean_loss"
+
+    def loss(self, model, batch):
+        return TaskLoss.sum(F.cross_entropy(model(batch[0]), batch[1]))
+
+
+class DeclaredMean(MeanLoss):
+    """The same mean, said to be one: exact like the sum."""
+
+    def loss(self, model, batch):
+        return TaskLoss.mean(F.cross_entropy(model(batch[0]), batch[1]), self.count(batch))
+
+
+def test_a_mean_passed_as_a_sum_is_refused_before_the_first_step():
+    model = SmallCNN(1, 10, 4).eval()
+    expected = "it is a mean, not a sum: return TaskLoss.mean"
+    with pytest.raises(ConfigError, match=expected), torch.no_grad():
+        MeanLoss().check(model, (images, labels))
+
+
+def test_a_declared_mean_is_the_same_loss_as_the_sum():
+    torch.manual_seed(0)
+    model = SmallCNN(1, 10, 4).eval()
+    with torch.no_grad():
+        DeclaredMean().check(model, (images, labels))
+        declared = DeclaredMean().loss(model, (images, labels)).total
+        summed = F.cross_entropy(model(images), labels, reduction="sum")
+    assert declared.item() == pytest.approx(summed.item(), rel=1e-6)
+
+
+def test_a_task_loss_cannot_be_built_without_saying_which():
+    with pytest.raises(TypeError, match=r"TaskLoss.sum\(total\) or TaskLoss.mean"):
+        TaskLoss(torch.tensor(1.0))
+
+
+# --- states of any shape, checked through compute before the first step ----------------------
+class PerClass(VectorLoss):
+    """Per-class counts: a vector state."""
+
+    name = "per_class"
+    metrics, states = {"worst_recall": "max"}, ("hits", "seen")
+
+    def loss(self, model, batch):
+        return TaskLoss.sum(F.cross_entropy(model(batch[0]), batch[1], reduction="sum"))
+
+    def evaluate(self, model, batch):
+        hits = model(batch[0]).argmax(1) == batch[1]
+        return {
+            "hits": torch.bincount(batch[1][hits], minlength=10),
+            "seen": torch.bincount(batch[1], minlength=10),
+        }
+
+    def compute(self, totals):
+        seen = totals["seen"]
+        return {"worst_recall": (totals["hits"][seen > 0] / seen[seen > 0]).min().item()}
+
+
+class BrokenCompute(PerClass):
+    name = "broken_compute"
+
+    def compute(self, totals):
+        return {"worst_recall": float(totals["hits"])}  # a vector is not a float
+
+
+class VectorMetric(PerClass):
+    name = "vector_metric"
+
+    def compute(self, totals):
+        return {"worst_recall": totals["hits"] / totals["seen"].clamp(min=1)}
+
+
+def test_vector_states_pack_into_one_vector_and_back():
+    task = PerClass()
+    model = SmallCNN(1, 10, 4).eval()
+    with torch.no_grad():
+        task.check(model, (images, labels))
+        states = task.evaluate(model, (images, labels))
+    assert task.state_shapes == {"hits": (10,), "seen": (10,)}
+    flat = pack_states(task, states, task.state_shapes, torch.device("cpu"))
+    assert flat.shape == (20,) and flat.dtype == torch.float64
+    back = unpack_states(task, flat * 2, task.state_shapes)
+    assert torch.equal(back["seen"], 2 * states["seen"].double())
+
+
+@pytest.mark.parametrize(
+    ("task", "expected"),
+    [
+        (BrokenCompute(), "compute() fails on one batch's states"),
+        (VectorMetric(), "compute() returned a tensor of shape [10] for 'worst_recall'"),
+    ],
+)
+def test_a_compute_that_evaluation_would_crash_on_is_refused_up_front(task, expected):
+    with pytest.raises(ConfigError) as error, torch.no_grad():
+        task.check(SmallCNN(1, 10, 4).eval(), (images, labels))
+    assert expected in str(error.value) and "\n" not in str(error.value)

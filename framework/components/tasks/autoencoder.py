@@ -74,7 +74,7 @@ class Autoencoder(Task):
             if self.vae
             else terms["reconstruction"]
         )
-        return TaskLoss(total, sums={key: value.detach() for key, value in terms.items()})
+        return TaskLoss.sum(total, sums={key: value.detach() for key, value in terms.items()})
 
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         inputs = pick(batch, 0, "inputs")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -16,13 +15,42 @@ from framework.core.exits import ConfigError
 Count = int | torch.Tensor  # an int when it follows from shapes, else a tensor on the device
 
 
-@dataclass
 class TaskLoss:
-    """A micro-batch's loss as a sum over its items (`Task.count` of them), and optional sums
-    of cheap training metrics over the same items (logged as train/<name>, per item)."""
+    """A micro-batch's loss over its items (`Task.count` of them), and optional cheap training
+    metrics over the same items (logged as train/<name>, per item).
+
+    Built as `TaskLoss.sum(total)` or `TaskLoss.mean(value, count)`, never directly: the runner
+    adds up sums over micro-batches and ranks and divides once by the global count, so a mean
+    passed where a sum belongs would shrink the loss and the learning rate by the batch size.
+    `total` is always the sum."""
 
     total: torch.Tensor
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    sums: dict[str, torch.Tensor]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "build a TaskLoss with TaskLoss.sum(total) or TaskLoss.mean(value, count): "
+            "the runner needs to know which the loss is"
+        )
+
+    @classmethod
+    def _made(cls, total: torch.Tensor, sums: Mapping[str, torch.Tensor]) -> TaskLoss:
+        loss = object.__new__(cls)
+        loss.total, loss.sums = total, dict(sums)
+        return loss
+
+    @classmethod
+    def sum(cls, total: torch.Tensor, sums: Mapping[str, torch.Tensor] | None = None) -> TaskLoss:
+        """`total` (and each of `sums`) added up over the micro-batch's items."""
+        return cls._made(total, sums or {})
+
+    @classmethod
+    def mean(
+        cls, value: torch.Tensor, count: Count, means: Mapping[str, torch.Tensor] | None = None
+    ) -> TaskLoss:
+        """`value` (and each of `means`) averaged over `count` items (`Task.count(batch)`)."""
+        means = means or {}
+        return cls._made(value * count, {key: item * count for key, item in means.items()})
 
 
 class Task:
@@ -35,8 +63,11 @@ class Task:
 
     name: ClassVar[str] = "task"  # the option name, for messages (task=<name>)
     metrics: dict[str, str] = {}
-    states: tuple[str, ...] = ()
+    states: tuple[str, ...] = ()  # each a tensor of any fixed shape (a count, a confusion matrix)
     train_sums: tuple[str, ...] = ()  # keys of TaskLoss.sums logged during training
+    # Each state's shape, as the pre-flight batch gave it (`check` sets it; evaluation packs
+    # the states of every rank into one vector of these shapes, even on a rank with no batch).
+    state_shapes: dict[str, tuple[int, ...]] = {}
     # What a batch must look like, for the message when it does not.
     reads: ClassVar[str] = "a batch"
     fix: ClassVar[str] = "pick a data option this task can read"
@@ -52,16 +83,20 @@ class Task:
         raise NotImplementedError
 
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        """This batch's contribution to every sum in `states` (scalars on the device)."""
+        """This batch's contribution to every sum in `states`: tensors on the device, each of
+        the same shape for every batch (a scalar count, per-class counts, a confusion matrix)."""
         raise NotImplementedError
 
-    def compute(self, totals: dict[str, float]) -> dict[str, float]:
-        """The metrics from the states summed over the whole validation set."""
+    def compute(self, totals: dict[str, Any]) -> dict[str, float]:
+        """The metrics from the states summed over the whole validation set: a float for a
+        scalar state, a float64 CPU tensor of the state's shape otherwise."""
         raise NotImplementedError
 
     def check(self, model: nn.Module, batch: Any) -> None:
         """Raise ConfigError naming the task and the fix when it cannot train this model on
-        this data. Called once, on a real batch, before the first step (eval mode, no grad)."""
+        this data. Called once, on a real batch, before the first step (eval mode, no grad):
+        the loss, and what evaluation runs (evaluate, the states packed for the all-reduce,
+        compute)."""
         try:
             loss = self.loss(model, batch)
             states = self.evaluate(model, batch)
@@ -70,14 +105,64 @@ class Task:
             raise
         except Exception as error:  # noqa: BLE001 (any failure on a real batch is a misfit)
             raise self.misfit(batch, f"{type(error).__name__}: {error}") from None
+        if not isinstance(loss, TaskLoss):
+            raise ConfigError(
+                f"task={self.name}: loss() returned a {type(loss).__name__}: return "
+                "TaskLoss.sum(total) or TaskLoss.mean(value, count)"
+            )
         if loss.total.dim() != 0:
             raise ConfigError(
                 f"task={self.name}: the loss of a batch must be a scalar (a sum over its items), "
                 f"got shape {list(loss.total.shape)}: reduce it with .sum()"
             )
+        self._check_loss_is_a_sum(model, batch, loss)
+        self._check_states_compute(states)
+
+    def _check_loss_is_a_sum(self, model: nn.Module, batch: Any, loss: TaskLoss) -> None:
+        """A sum over a batch doubles when the batch is repeated; a mean stays the same."""
+        try:
+            doubled = self.loss(model, repeated(batch)).total
+        except Exception:  # noqa: BLE001 (a batch that cannot be repeated: nothing to compare)
+            return
+        single = float(loss.total)
+        if abs(single) < 1e-12 or not math.isfinite(single):
+            return
+        if abs(float(doubled) - single) <= 1e-3 * abs(single):
+            raise ConfigError(
+                f"task={self.name}: loss() gave the same value for the batch repeated twice, so "
+                "it is a mean, not a sum: return TaskLoss.mean(value, count) (or a sum, "
+                "reduction='sum', as TaskLoss.sum)"
+            )
+
+    def _check_states_compute(self, states: Mapping[str, Any]) -> None:
         missing = set(self.states) - set(states)
         if missing:
             raise ConfigError(f"task={self.name}: evaluate() does not return {sorted(missing)}")
+        try:
+            shapes = state_shapes(self, states)
+            flat = pack_states(self, states, shapes, torch.device("cpu"))
+            metrics = self.compute(unpack_states(self, flat, shapes))
+        except ConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 (what evaluation would crash on, later)
+            raise ConfigError(
+                f"task={self.name}: compute() fails on one batch's states "
+                f"({type(error).__name__}: {error}): fix compute() or evaluate()"
+            ) from None
+        missing_metrics = set(self.metrics) - set(metrics)
+        if missing_metrics:
+            raise ConfigError(
+                f"task={self.name}: compute() does not return {sorted(missing_metrics)}, which "
+                "`metrics` names"
+            )
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                raise ConfigError(
+                    f"task={self.name}: compute() returned a tensor of shape "
+                    f"{list(value.shape)} for {name!r}: metrics are numbers (log one per class "
+                    "under its own name)"
+                )
+        self.state_shapes = shapes
 
     def misfit(self, batch: Any, problem: str) -> ConfigError:
         return ConfigError(
@@ -117,6 +202,53 @@ def batch_shapes(batch: Any) -> str:
     if isinstance(batch, Sequence) and not isinstance(batch, str):
         return "(" + ", ".join(batch_shapes(item) for item in batch) + ")"
     return type(batch).__name__
+
+
+def repeated(batch: Any) -> Any:
+    """The batch twice over, along its first dimension (every tensor, any nesting)."""
+    if isinstance(batch, torch.Tensor):
+        return torch.cat([batch, batch])
+    if isinstance(batch, Mapping):
+        return {key: repeated(value) for key, value in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(repeated(item) for item in batch)
+    return batch
+
+
+def state_shapes(task: Task, states: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(torch.as_tensor(states[name]).shape) for name in task.states}
+
+
+def pack_states(
+    task: Task, states: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], device: Any
+) -> torch.Tensor:
+    """Every state flattened into one float64 vector on `device`, in `task.states` order: one
+    all-reduce sums them all, whatever their shapes."""
+    parts = []
+    for name in task.states:
+        value = torch.as_tensor(states[name], device=device).double()
+        if tuple(value.shape) != tuple(shapes.get(name, ())):
+            raise ConfigError(
+                f"task={task.name}: evaluate() returned {name!r} of shape {list(value.shape)}, "
+                f"not {list(shapes.get(name, ()))} as on the first batch: a state keeps one "
+                "shape on every batch and rank"
+            )
+        parts.append(value.reshape(-1))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def unpack_states(
+    task: Task, flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, Any]:
+    """The summed vector back into states: a float per scalar, a CPU tensor otherwise."""
+    totals, start, flat = {}, 0, flat.cpu()
+    for name in task.states:
+        shape = tuple(shapes.get(name, ()))
+        size = math.prod(shape)
+        value = flat[start : start + size].reshape(shape)
+        totals[name] = value.item() if not shape else value
+        start += size
+    return totals
 
 
 def first_batch(dataset: Dataset, size: int, collate: Callable | None = None) -> Any:

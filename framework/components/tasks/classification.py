@@ -50,7 +50,7 @@ class Classification(Task):
 
     def loss(self, model: nn.Module, batch: Any) -> TaskLoss:
         logits, targets = self._split(model, batch)
-        return TaskLoss(self._cross_entropy(logits, targets, self.label_smoothing))
+        return TaskLoss.sum(self._cross_entropy(logits, targets, self.label_smoothing))
 
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         logits, targets = self._split(model, batch)

@@ -50,7 +50,7 @@ class LanguageModel(Task):
         return (pick(batch, 1, "targets") != self.ignore_index).sum()
 
     def loss(self, model: nn.Module, batch: Any) -> TaskLoss:
-        return TaskLoss(self._loss_sum(model, batch))
+        return TaskLoss.sum(self._loss_sum(model, batch))
 
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         return {"loss": self._loss_sum(model, batch), "tokens": self.count(batch)}

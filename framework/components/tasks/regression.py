@@ -34,7 +34,7 @@ class Regression(Task):
 
     def loss(self, model: nn.Module, batch: Any) -> TaskLoss:
         predictions, targets = self._predict(model, batch)
-        return TaskLoss(F.mse_loss(predictions, targets, reduction="sum"))
+        return TaskLoss.sum(F.mse_loss(predictions, targets, reduction="sum"))
 
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         predictions, targets = (t.double() for t in self._predict(model, batch))

@@ -18,7 +18,7 @@ class AbsoluteError(Task):
         return (model(inputs).squeeze(-1) - targets).abs()
 
     def loss(self, model, batch):
-        return TaskLoss(self.errors(model, batch).sum())
+        return TaskLoss.sum(self.errors(model, batch).sum())
 
     def evaluate(self, model, batch):
         errors = self.errors(model, batch)
