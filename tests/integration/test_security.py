@@ -198,7 +198,8 @@ def test_a_multirun_writes_no_secret_either(cli, tmp_path):
     job_config = OmegaConf.load(sweep_dir / "1" / "config.yaml")
     assert job_config.data.mirror == f"https://bob:{REDACTED}@example.com/data"
     job_record = OmegaConf.load(sweep_dir / "1" / ".hydra" / "hydra.yaml")
-    assert job_record.hydra.job.env_set.DATA_MIRROR == f"https://amy:{REDACTED}@example.org/x"
+    mirror = job_record.hydra.job.env_set["DATA_MIRROR"]
+    assert mirror == f"https://amy:{REDACTED}@example.org/x"
     secrets = [TOKEN, WANDB_KEY, ENV_SET_TOKEN, URL_PASSWORD, ENV_URL_PASSWORD, FILE_URL_PASSWORD]
     for secret in secrets:
         assert secret not in result.stdout + result.stderr
