@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
+from framework.components.data import load_splits
 from framework.core.exits import ExitCode
 from tests.conftest import DIST_ENV_VARS
 
@@ -116,6 +118,16 @@ def test_a_mistake_in_an_own_data_key_is_refused_before_the_run_dir(
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line
     assert result.stderr.startswith(message), result.stderr
     assert not (project / "outputs").exists()
+
+
+@pytest.mark.usefixtures("own_pkg_importable")
+def test_a_loader_without_kwargs_is_called_with_the_keys_it_names():
+    """The framework's keys (batch_size, in_channels, ...) stay out: load() would raise."""
+    node = OmegaConf.create(DATA_OPTION)
+    del node["defaults"]  # (Hydra's, not a key)
+    node.size = 48
+    splits = load_splits(node)
+    assert (len(splits.train), len(splits.val)) == (32, 16)
 
 
 @pytest.mark.slow
