@@ -284,8 +284,8 @@ class UserConfigPath(SearchPathPlugin):
     user project keeps its own conf/ beside its package and runs `train` from there), then the
     folders in $FRAMEWORK_CONFIG_PATH (comma-separated pkg:// or file:// paths). Their group
     options (task/my_task.yaml, experiment/...) join the shipped ones without an edit of conf/;
-    a name the shipped conf/ has first stays the shipped one.
-    framework/command/validate_callback.py refuses an entry that does not exist."""
+    framework/command/validate_callback.py refuses an entry that does not exist, and an option
+    that a shipped one of the same name hides."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         project = project_config_dir(search_path)

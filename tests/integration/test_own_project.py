@@ -91,6 +91,20 @@ def test_help_lists_the_projects_options_and_groups_beside_the_shipped_ones(cli,
     assert "augment: flip" in groups
 
 
+def test_an_option_hidden_by_a_shipped_one_of_the_same_name_is_refused(cli, project):
+    """Hydra takes the first option of a name on the search path, the shipped one: the
+    project's model/mlp.yaml would never be read."""
+    (project / "conf" / "model" / "mlp.yaml").parent.mkdir()
+    (project / "conf" / "model" / "mlp.yaml").write_text("hidden_sizes: [7]\n")
+    result = cli("trainer.max_steps=1", cwd=project)
+    assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-3000:]
+    assert result.stderr.strip() == (
+        f"error: file://{project.resolve()}/conf/model/mlp.yaml is hidden: model=mlp picks "
+        "the shipped option of that name; rename yours"
+    )
+    assert not (project / "outputs").exists()
+
+
 @pytest.mark.usefixtures("own_pkg_importable")
 @pytest.mark.parametrize(
     ("override", "message"),
