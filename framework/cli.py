@@ -2,16 +2,22 @@
 before it imports anything heavy, so the server's imports (torch, torch._dynamo: most of
 start-up) run beside this process's own (Hydra, the launcher) instead of after them. Then it
 runs framework.train.main, which `python -m framework.train` runs directly.
+
+Like `python -m`, it makes the working directory importable: a user project's package beside its
+own conf/ is then found by `_target_` in this process and in every rank, with no PYTHONPATH.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from framework.launch import forkserver
 
 
 def main() -> None:
+    # Last, so it shadows nothing installed; before the fork server starts, which copies the path.
+    sys.path.append(os.getcwd())
     forkserver.warm_up_if_forking(sys.argv[1:])
     # Imported here, after the fork server has started: importing it first is the cost this
     # module exists to overlap.

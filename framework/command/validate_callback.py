@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra._internal.sources_registry import SourcesRegistry
+from hydra.core.object_type import ObjectType
 from hydra.experimental.callback import Callback
+from hydra.plugins.config_source import ConfigSource
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
@@ -81,12 +83,20 @@ def _check_creatable(setting: str, path: Path) -> None:
     require(problem is None, f"{setting}={path} cannot be created: {problem}; choose another")
 
 
+# Search path entries of the user's own config folders (hydra_plugins/framework_launchers).
+USER_PROVIDERS = ("framework-project", "framework-user")
+
+
 def check_config_folders(config: DictConfig) -> None:
     """Every folder on the config search path exists: Hydra skips a missing one silently, and
-    the options the user meant to add would then be 'not found' with no hint why."""
+    the options the user meant to add would then be 'not found' with no hint why. No option of
+    the user's own folders is hidden by a shipped option of the same name, which Hydra would
+    pick instead, silently."""
+    sources = {}
     for source in config.hydra.runtime.config_sources:
         kind = SourcesRegistry.instance().resolve(source.schema)
-        if not kind(source.provider, f"{source.schema}://{source.path}").available():
+        sources[source.provider] = found = kind(source.provider, f"{source.schema}://{source.path}")
+        if not found.available():
             where = (
                 "FRAMEWORK_CONFIG_PATH"
                 if source.provider == "framework-user"
@@ -96,4 +106,20 @@ def check_config_folders(config: DictConfig) -> None:
                 f"{where}: {source.schema}://{source.path} is not a folder of config files (it "
                 "does not exist, or the package does not import): give file:///absolute/path "
                 "or pkg://importable.package.folder"
+            )
+        if source.provider in USER_PROVIDERS and "main" in sources:
+            check_not_hidden(found, sources["main"])
+
+
+def check_not_hidden(user: ConfigSource, shipped: ConfigSource) -> None:
+    for group in user.list("", ObjectType.GROUP):
+        if not shipped.is_group(group):
+            continue
+        for option in set(user.list(group, ObjectType.CONFIG)) & set(
+            shipped.list(group, ObjectType.CONFIG)
+        ):
+            name = option.removesuffix(".yaml")
+            raise ConfigError(
+                f"{user.full_path()}/{group}/{name}.yaml is hidden: {group}={name} picks the "
+                "shipped option of that name; rename yours"
             )

@@ -2,15 +2,19 @@
 loaders that feed DDP, and moving batches of any structure to the device.
 
 A data option's `_target_` is a function returning `Splits`; any function with that shape works,
-so bringing your own dataset is one YAML file pointing at it. Samples may be tensors, tuples or
-dicts; a data option's `collate_fn` (by `_target_`) batches samples that default_collate cannot
-(variable-length sequences: `PadSequences`; graphs).
+so bringing your own dataset is one YAML file pointing at it. The function's signature is the
+schema of its own keys (`load_splits`): it is called with the keys it names, and the framework's
+own (batch_size, num_workers, ...) only if it names them or takes **kwargs.
+
+Samples may be tensors, tuples or dicts; a data option's `collate_fn` (by `_target_`) batches
+samples that default_collate cannot (variable-length sequences: `PadSequences`; graphs).
 """
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
+import inspect
 import itertools
 import logging
 import math
@@ -23,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import (
     DataLoader,
     Dataset,
@@ -49,6 +55,18 @@ class Splits:
     val: Dataset
     test: Dataset | None = None  # a held-out test split, when the data option has one
     decode: Callable[[list[int]], str] | None = None  # token ids -> text, for text data
+
+
+def load_splits(node: DictConfig) -> Splits:
+    """Call the data option's `_target_` with the keys of its node that it takes (all of them
+    when it takes **kwargs); `collate_fn` is the loaders' business, built elsewhere."""
+    signature = inspect.signature(get_object(node._target_))
+    parameters = signature.parameters.values()
+    keys = dict(OmegaConf.to_container(node, resolve=True), collate_fn=None)
+    if not any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters):
+        named = {parameter.name for parameter in parameters}
+        keys = {key: value for key, value in keys.items() if key in named or key.startswith("_")}
+    return instantiate(keys)
 
 
 def split_indices(

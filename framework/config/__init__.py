@@ -3,10 +3,7 @@
 resolvers the YAML files use, rules that span keys (validation.py) and what may be written
 (redaction.py). Importing it registers nothing: framework/train.py calls register_configs()."""
 
-from pathlib import Path
-
 from framework.config.validation import validate
-
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the config groups: the repo's conf/
+from framework.core.config_dir import CONF_DIR  # the shipped config groups
 
 __all__ = ["CONF_DIR", "validate"]

@@ -9,13 +9,15 @@ from __future__ import annotations
 import dataclasses
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from framework.config import schemas as s
 from framework.config.resolvers import register_resolvers
 
 # group -> option -> schema. A YAML option of the group starts with
 # `defaults: [/schema/<group>/<option>@_here_]`; `base` is the schema a user's own option extends.
+# A base is stored open: the user's option adds keys of its own, typed and checked against its
+# `_target_`'s signature (framework/config/target_keys.py), while the framework's keys stay typed.
 SCHEMAS: dict[str, dict[str, type]] = {
     "task": {
         "base": s.TaskConfig,
@@ -93,5 +95,13 @@ def register_configs() -> None:
     store.store(name="base_config", node=s.Config)
     for group, options in SCHEMAS.items():
         for name, schema in options.items():
-            store.store(group=f"schema/{group}", name=name, node=schema)
+            node = open_schema(schema) if name == "base" else schema
+            store.store(group=f"schema/{group}", name=name, node=node)
     register_resolvers()
+
+
+def open_schema(schema: type) -> DictConfig:
+    """`schema`'s fields, typed, in a node that also takes keys the schema does not name."""
+    node = OmegaConf.structured(schema)
+    OmegaConf.set_struct(node, False)
+    return node

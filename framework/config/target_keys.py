@@ -8,6 +8,10 @@ schema, or a field of its group's base schema (the keys the framework reads itse
 data.batch_size). An unknown key is refused, except where the callable takes `**kwargs` and the
 key is not a near-miss of a known one: torchvision's `resnet18(**kwargs)` takes `num_classes`
 that its signature does not name.
+
+A key the schema does not declare but the callable names takes its type from the callable's
+annotation where that is int, float or bool: a user's own loader, model or task is then the
+schema of its own keys (`noise: float = 0.1`), and `data.noise=abc` is refused like a typed key.
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ def check_target_keys(cfg: DictConfig) -> None:
         if parameters is None:  # not introspectable: instantiate reports what it finds
             continue
         named, open_ended = parameters
-        known = (named | declared) - HYDRA_KEYS
+        known = (set(named) | declared) - HYDRA_KEYS
         for key in extra:
+            if key in named:
+                _check_type(f"{path}.{key}", node[key], named[key], node._target_)
             if key in known:
                 continue
             close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -73,14 +79,34 @@ def _component_nodes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig, type | 
             yield f"logger.{name}", node, s.LoggerConfig
 
 
-def _parameters(target: str) -> tuple[set[str], bool] | None:
-    """(the keyword parameters `target` names, whether it also takes **kwargs)."""
+# The annotations a value is checked against, and what each accepts (bool is an int to Python).
+# Not str: `name=123` on the command line arrives as an int that a str parameter may well take.
+SIMPLE_TYPES: dict[object, tuple[type, ...]] = {int: (int,), float: (int, float), bool: (bool,)}
+
+
+def _check_type(key: str, value: object, annotation: object, target: str) -> None:
+    accepted = SIMPLE_TYPES.get(annotation)
+    if accepted is None or value is None:  # (None: the callable's own default decides)
+        return
+    if isinstance(value, bool) and bool not in accepted or not isinstance(value, accepted):
+        name = annotation.__name__  # type: ignore[attr-defined]
+        raise ConfigError(
+            f"{key}={value!r} is not of type {name}: {target} takes {key.split('.')[-1]}: {name}"
+        )
+
+
+def _parameters(target: str) -> tuple[dict[str, object], bool] | None:
+    """({keyword parameter `target` names: its annotation}, whether it also takes **kwargs)."""
     try:
-        signature = inspect.signature(get_object(target))
+        callable_ = get_object(target)
+        try:
+            signature = inspect.signature(callable_, eval_str=True)
+        except (NameError, AttributeError, SyntaxError, TypeError):  # annotations that need imports
+            signature = inspect.signature(callable_)
     except Exception:  # not importable, or a builtin without a signature
         return None
     named = {
-        name
+        name: parameter.annotation
         for name, parameter in signature.parameters.items()
         if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
     }

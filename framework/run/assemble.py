@@ -25,7 +25,7 @@ import torch._dynamo  # noqa: F401
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from framework.components.data import Loaders, Splits, build_loaders, to_device
+from framework.components.data import Loaders, Splits, build_loaders, load_splits, to_device
 from framework.components.ema import EMA
 from framework.components.loggers import build_sink, setup_logging
 from framework.components.optim import build_optimizer, scaled_lr
@@ -235,7 +235,7 @@ def build_data(
     cfg: DictConfig, env: DistEnv, device: torch.device, global_batch_size: int
 ) -> tuple[Splits, Loaders]:
     log.info("Instantiating data <%s>", cfg.data._target_)
-    splits = instantiate(cfg.data, collate_fn=None)  # the loaders' collate_fn is built below
+    splits = load_splits(cfg.data)  # the loaders' collate_fn is built below
     collate_node = cfg.data.get("collate_fn")
     collate_fn = instantiate(collate_node) if collate_node is not None else None
     if len(splits.val) == 0:  # evaluation would fail at its first batch, after training

@@ -280,12 +280,34 @@ _store.store(
 
 
 class UserConfigPath(SearchPathPlugin):
-    """Adds the folders in $FRAMEWORK_CONFIG_PATH (comma-separated pkg:// or file:// paths)
-    after conf/: their group options (task/my_task.yaml, experiment/...) join the shipped ones
-    without an edit of conf/. framework/command/validate_callback.py refuses an entry that does
-    not exist."""
+    """Adds the user's config folders after the shipped conf/: the working directory's conf/ (a
+    user project keeps its own conf/ beside its package and runs `train` from there), then the
+    folders in $FRAMEWORK_CONFIG_PATH (comma-separated pkg:// or file:// paths). Their group
+    options (task/my_task.yaml, experiment/...) join the shipped ones without an edit of conf/;
+    framework/command/validate_callback.py refuses an entry that does not exist, and an option
+    that a shipped one of the same name hides."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        project = project_config_dir(search_path)
+        if project is not None:
+            search_path.append(provider=PROJECT_PROVIDER, path=project)
         for entry in os.environ.get(CONFIG_PATH_VARIABLE, "").split(","):
             if entry.strip():
                 search_path.append(provider="framework-user", path=entry.strip())
+
+
+PROJECT_PROVIDER = "framework-project"  # the working directory's conf/
+
+
+def project_config_dir(search_path: ConfigSearchPath) -> str | None:
+    """file://<working dir>/conf when it is a folder and not on the search path already (in
+    the clone, the working dir's conf/ is the shipped one)."""
+    folder = Path.cwd() / "conf"
+    if not folder.is_dir():
+        return None
+    on_path = {  # (the primary config dir comes as a bare path)
+        Path(entry.path.removeprefix("file://")).resolve()
+        for entry in search_path.get_path()
+        if entry.path.startswith("file://") or "://" not in entry.path
+    }
+    return None if folder.resolve() in on_path else f"file://{folder.resolve()}"

@@ -1,0 +1,43 @@
+"""The task: squared error, and the share of predictions within a tolerance of the target."""
+
+import torch
+from torch import nn
+
+from framework.components.tasks import Task, TaskLoss
+
+
+class WithinTolerance(Task):
+    name = "__project__"  # the option's name, for messages (task=__project__)
+    # val/<name>: whether lower or higher is better; the first is the run's objective
+    metrics = {"within": "max", "mse": "min"}
+    states = ("squared_error", "within", "count")  # sums over the validation set, across ranks
+
+    def __init__(self, tolerance: float = 0.2) -> None:
+        self.tolerance = tolerance
+
+    def count(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """How many items the loss sums over: the framework divides by the global count."""
+        return batch[1].numel()
+
+    def errors(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        return model(inputs) - targets
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> TaskLoss:
+        return TaskLoss.sum(self.errors(model, batch).square().sum())
+
+    def evaluate(
+        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        errors = self.errors(model, batch)
+        return {
+            "squared_error": errors.square().sum(),
+            "within": (errors.abs() <= self.tolerance).sum(),
+            "count": torch.tensor(errors.numel(), device=errors.device),
+        }
+
+    def compute(self, totals: dict[str, float]) -> dict[str, float]:
+        return {
+            "within": totals["within"] / totals["count"],
+            "mse": totals["squared_error"] / totals["count"],
+        }

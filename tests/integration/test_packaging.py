@@ -1,0 +1,121 @@
+"""The framework as a dependency, outside the clone: the wheel (with conf/ and experiments/ inside
+it) installed into a fresh environment runs `train` from an empty folder, and a project written
+by `framework-new` passes its own test right after creation. Both use uv as a user would; the
+packages come from uv's cache or the package registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DIST_ENV_VARS, REPO
+
+pytestmark = pytest.mark.slow
+
+UV = os.environ.get("UV") or shutil.which("uv")
+
+
+def user_env() -> dict[str, str]:
+    """A shell's environment: none of this checkout's venv, test run or job variables."""
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name not in {*DIST_ENV_VARS, "VIRTUAL_ENV", "PYTHONPATH", "UV_PROJECT_ENVIRONMENT"}
+        and not name.startswith(("PYTEST_", "FRAMEWORK_"))
+    }
+
+
+def run(*command: str | Path, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    started = time.perf_counter()
+    result = subprocess.run(
+        [str(part) for part in command],
+        cwd=cwd,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    # The times the README quotes: `pytest -s` shows them.
+    print(f"{time.perf_counter() - started:6.1f} s  {' '.join(map(str, command))[:120]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv holding only the wheel built from this checkout and its dependencies (at
+    uv.lock's versions, so they come from uv's cache). Returns the venv's bin folder."""
+    if UV is None:
+        pytest.skip("uv is not on PATH")
+    root = tmp_path_factory.mktemp("wheel")
+    built = run(UV, "build", "--wheel", "--out-dir", root / "dist", REPO, cwd=root)
+    assert built.returncode == 0, built.stderr[-3000:]
+    [wheel] = (root / "dist").glob("framework-*.whl")
+    pins = root / "pins.txt"
+    exported = run(
+        UV, "export", "--frozen", "--no-dev", "--no-hashes", "--no-emit-project",
+        "--project", REPO, "--output-file", pins, cwd=root,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    venv = root / "venv"
+    created = run(UV, "venv", "--python", sys.executable, venv, cwd=root)
+    assert created.returncode == 0, created.stderr[-3000:]
+    python = venv / "bin" / "python"
+    install = run(UV, "pip", "install", "--python", python, wheel, "-c", pins, cwd=root)
+    assert install.returncode == 0, install.stderr[-3000:]
+    return venv / "bin"
+
+
+def test_the_installed_wheel_trains_from_an_empty_folder(installed, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    where = run(
+        installed / "python", "-c", "import framework; print(framework.__file__)", cwd=empty
+    )
+    assert Path(where.stdout.strip()).is_relative_to(installed.parent)  # not the clone
+    result = run(installed / "train", "trainer.max_steps=2", "hydra.run.dir=run", cwd=empty)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((empty / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["world_size"] == 2
+    assert "done: val/accuracy=" in result.stderr.strip().splitlines()[-1]
+    assert sorted(p.name for p in empty.iterdir()) == ["run"]
+
+
+def test_the_installed_wheel_ships_every_preset_and_option(installed, tmp_path):
+    result = run(installed / "train", "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    presets = sorted(path.stem for path in (REPO / "experiments").glob("*.yaml"))
+    assert f"experiment: {', '.join(presets)}" in result.stdout
+    models = sorted(path.stem for path in (REPO / "conf" / "model").glob("*.yaml"))
+    assert f"model: {', '.join(models)}" in result.stdout
+    composed = run(installed / "train", "experiment=diabetes_mlp", "--cfg", "job", cwd=tmp_path)
+    assert composed.returncode == 0, composed.stderr[-3000:]
+    assert "_target_: framework.components.data.diabetes" in composed.stdout
+
+
+def test_framework_new_from_the_wheel_depends_on_that_wheel(installed, tmp_path):
+    result = run(installed / "framework-new", tmp_path / "from-wheel", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pyproject = (tmp_path / "from-wheel" / "pyproject.toml").read_text()
+    assert "framework = { path = " in pyproject and ".whl" in pyproject
+
+
+def test_a_new_project_passes_its_own_test(tmp_path):
+    """`framework-new` outside the clone, then `uv run pytest` in the new folder: uv makes the
+    project's venv (the framework built from this checkout as a path dependency) and the
+    project's test trains 2 steps on 2 ranks and refuses a misspelt key of its own."""
+    if UV is None:
+        pytest.skip("uv is not on PATH")
+    assert not tmp_path.is_relative_to(REPO)
+    project = tmp_path / "sine-lab"
+    created = run(Path(sys.executable).parent / "framework-new", project, cwd=tmp_path)
+    assert created.returncode == 0, created.stderr[-3000:]
+    result = run(UV, "run", "pytest", "-q", "-p", "no:cacheprovider", cwd=project, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "2 passed" in result.stdout
