@@ -23,6 +23,7 @@ from framework.components.tasks import (
     Task,
     TaskLoss,
     first_batch,
+    require_logits,
 )
 from framework.components.tasks.base import pack_states, unpack_states
 from framework.config import validate
@@ -367,3 +368,48 @@ def test_a_compute_that_evaluation_would_crash_on_is_refused_up_front(task, expe
     with pytest.raises(ConfigError) as error, torch.no_grad():
         task.check(SmallCNN(1, 10, 4).eval(), (images, labels))
     assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+# --- samples that cannot be batched --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("samples", "expected"),
+    [
+        (
+            [{"inputs": torch.zeros(3), "label": 1}, {"inputs": torch.zeros(3)}],
+            "only sample 0 has the key 'label'",
+        ),
+        (
+            [{"inputs": torch.zeros(3), "label": 1}, {"inputs": torch.zeros(4), "label": 2}],
+            "sample['inputs'] has shape [3] in sample 0, [4] in sample 1",
+        ),
+        (
+            [(torch.zeros(2), {"mask": torch.ones(2)}), (torch.zeros(2), {"mask": torch.ones(5)})],
+            "sample[1]['mask'] has shape [2] in sample 0, [5] in sample 1",
+        ),
+    ],
+)
+def test_samples_that_cannot_be_batched_are_one_line_naming_the_key(samples, expected):
+    with pytest.raises(ConfigError) as error:
+        first_batch(samples, 2)
+    message = str(error.value)
+    assert expected in message and "data.collate_fn" in message and "\n" not in message
+
+
+class SoftmaxCNN(nn.Module):
+    """A model that ends in softmax: probabilities where cross-entropy wants logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = SmallCNN(1, 10, 4)
+
+    def forward(self, x):
+        return self.body(x).softmax(dim=1)
+
+
+def test_probabilities_fed_to_a_logits_loss_are_refused():
+    softmax = r"a final softmax\?\), but cross-entropy takes logits"
+    with pytest.raises(ConfigError, match=softmax), torch.no_grad():
+        Classification().check(SoftmaxCNN().eval(), (images, labels))
+    with pytest.raises(ConfigError, match=r"a final sigmoid\?\), but bce takes logits"):
+        require_logits("multilabel", torch.rand(8, 5), "bce")
+    require_logits("multilabel", torch.randn(8, 5), "bce")  # logits pass

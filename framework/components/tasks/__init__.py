@@ -14,7 +14,13 @@ Two rules make every task exact under DDP and gradient accumulation:
 """
 
 from framework.components.tasks.autoencoder import Autoencoder
-from framework.components.tasks.base import Task, TaskLoss, batch_shapes, first_batch
+from framework.components.tasks.base import (
+    Task,
+    TaskLoss,
+    batch_shapes,
+    first_batch,
+    require_logits,
+)
 from framework.components.tasks.classification import Classification
 from framework.components.tasks.language_model import LanguageModel
 from framework.components.tasks.regression import Regression
@@ -28,4 +34,5 @@ __all__ = [
     "TaskLoss",
     "batch_shapes",
     "first_batch",
+    "require_logits",
 ]

@@ -204,6 +204,23 @@ def batch_shapes(batch: Any) -> str:
     return type(batch).__name__
 
 
+def require_logits(task: str, outputs: torch.Tensor, loss: str, class_dim: int = 1) -> None:
+    """Refuse probabilities where a loss takes logits (a model ending in sigmoid or softmax
+    trains badly in silence). Called by a task's `check` on the pre-flight batch: raw logits
+    of an untrained model are almost never all in [0, 1]."""
+    values = outputs.detach().float()
+    if values.numel() < 8 or values.min() < 0 or values.max() > 1:
+        return
+    rows_sum_to_one = values.dim() > class_dim and torch.allclose(
+        values.sum(dim=class_dim), torch.ones(()), atol=1e-3
+    )
+    ending = "softmax" if rows_sum_to_one else "sigmoid"
+    raise ConfigError(
+        f"task={task}: the model's outputs are all in [0, 1] (a final {ending}?), but {loss} "
+        "takes logits: drop the model's last activation (the loss applies it, more stably)"
+    )
+
+
 def repeated(batch: Any) -> Any:
     """The batch twice over, along its first dimension (every tensor, any nesting)."""
     if isinstance(batch, torch.Tensor):
@@ -252,9 +269,51 @@ def unpack_states(
 
 
 def first_batch(dataset: Dataset, size: int, collate: Callable | None = None) -> Any:
-    """The first `size` samples as one batch, read without a loader (no generator is drawn)."""
+    """The first `size` samples as one batch, read without a loader (no generator is drawn).
+    Samples that cannot be batched are a ConfigError naming where they differ."""
     items = [dataset[index] for index in range(min(size, len(dataset)))]
-    return (collate or default_collate)(items)
+    try:
+        return (collate or default_collate)(items)
+    except Exception as error:  # noqa: BLE001 (whatever the collate function raises)
+        detail = sample_difference(items) or f"{type(error).__name__}: {error}".splitlines()[0]
+        raise ConfigError(
+            f"data: the samples cannot be batched ({detail}): give every sample the same keys "
+            "and shapes, or set data.collate_fn to a callable that batches them"
+        ) from None
+
+
+def sample_difference(items: Sequence[Any], path: str = "sample") -> str | None:
+    """Where the first two samples that differ in structure differ: a key one lacks, a tensor
+    of another shape, another type."""
+    first = items[0] if items else None
+    for index, item in enumerate(items[1:], start=1):
+        problem = _difference(first, item, path, index)
+        if problem:
+            return problem
+    return None
+
+
+def _difference(a: Any, b: Any, path: str, index: int) -> str | None:
+    if type(a) is not type(b):
+        return f"{path} is a {type(a).__name__} in sample 0, a {type(b).__name__} in {index}"
+    if isinstance(a, torch.Tensor) and a.shape != b.shape:
+        return f"{path} has shape {list(a.shape)} in sample 0, {list(b.shape)} in sample {index}"
+    if isinstance(a, Mapping):
+        for key in a.keys() ^ b.keys():
+            where = "0" if key in a else str(index)
+            return f"only sample {where} has the key {key!r}" + (
+                f" in {path}" if "[" in path else ""
+            )
+        for key in a:
+            if problem := _difference(a[key], b[key], f"{path}[{key!r}]", index):
+                return problem
+    if isinstance(a, list | tuple):
+        if len(a) != len(b):
+            return f"{path} has {len(a)} elements in sample 0, {len(b)} in sample {index}"
+        for position, (x, y) in enumerate(zip(a, b, strict=True)):
+            if problem := _difference(x, y, f"{path}[{position}]", index):
+                return problem
+    return None
 
 
 def mean(total: float, count: float) -> float:
