@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from framework.command.eval_overrides import with_training_overrides
 from framework.command.hydra_errors import run_app
 from framework.command.hydra_node_check import check_composed_hydra_node
 from framework.config import CONF_DIR, validate
@@ -93,6 +94,11 @@ def main() -> None:
     # Hydra instantiates its own node (callbacks, launcher, sweeper, logging factories) before
     # any callback of ours can look at it: check the command line and the node composed from
     # every config file before Hydra starts.
+    # mode=eval of a checkpoint: the training run's task, model, data and precision overrides
+    # lead the command line (checked below like any other).
+    sys.argv[1:], record = with_training_overrides(sys.argv[1:])
+    if record is not None and here.global_rank() == 0:
+        print(f"mode=eval: the training run's settings from {record}", file=sys.stderr)
     try:
         check_command_line(sys.argv[1:])
         check_composed_hydra_node(sys.argv[1:])

@@ -168,6 +168,44 @@ def test_mode_eval_with_other_model_settings_is_refused_naming_the_run_command(c
     assert evals_after == evals_before  # its own eval dir was removed again
 
 
+def test_mode_eval_takes_the_training_runs_settings_from_its_record(cli, tmp_path):
+    """Trained with its own data and model settings on 1 rank; evaluated on 2 ranks with only
+    mode=eval, the checkpoint and a batch size: the run's own numbers."""
+    run_dir = tmp_path / "run"
+    trained = cli(
+        "data=synthetic",
+        "data.train_size=64",
+        "data.val_size=29",
+        "data.in_channels=1",
+        "data.image_size=8",
+        "model.width=8",
+        "launcher.nproc_per_node=1",
+        "trainer.max_epochs=null",
+        "trainer.max_steps=4",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    result = cli(
+        "mode=eval", f"checkpoint.resume={checkpoint}", "data.eval_batch_size=7", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        f"the training run's settings from {run_dir / '.hydra' / 'overrides.yaml'}" in result.stderr
+    )
+    [eval_dir] = (run_dir / "eval").glob("val-*")
+    evaluated = json.loads((eval_dir / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert evaluated["world_size"] == 2 and summary["world_size"] == 1
+    assert evaluated["val/accuracy"] == summary["val/accuracy"]
+    assert evaluated["val/loss"] == pytest.approx(summary["val/loss"], rel=1e-6)  # float32 sums
+    # An override of its own for a training setting is still compared, and refused.
+    refused = cli("mode=eval", f"checkpoint.resume={checkpoint}", "model.width=16", cwd=tmp_path)
+    assert refused.returncode == ExitCode.CONFIG_REJECTED
+    assert "model.width: 8 in the checkpoint, 16 now" in refused.stderr
+
+
 LOGGERS = ("logger=[tensorboard,csv,mlflow]",)
 
 
