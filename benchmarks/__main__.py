@@ -8,6 +8,8 @@ written to benchmarks/results/<name>.json (and a PNG where it plots).
     scaling    samples/s at 1 and 2 ranks on CPU, and the scaling efficiency
     speed      the speed options (precision, channels_last, compile, num_workers) vs plain
     presets    each experiment preset as users run it, its result next to a baseline
+    command    train / a torchrun loop / Lightning as whole commands: speed and its spread,
+               a short job, each further sweep job, the time to refuse a mistake
     all        every one of the above, in that order
 
 `python -m benchmarks <name> --help` lists a benchmark's options.
@@ -19,7 +21,7 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ("overhead", "startup", "comm", "accuracy", "scaling", "speed", "presets")
+BENCHMARKS = ("overhead", "startup", "comm", "accuracy", "scaling", "speed", "presets", "command")
 
 
 def main(argv: list[str]) -> None:

@@ -6,6 +6,8 @@ optimizer parameter groups."""
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -215,17 +217,18 @@ def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_ru
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a local store: named by the environment
     args = (
         *FAULTS,
         *LOGGERS,
-        f"logger.mlflow.tracking_uri={store}",
         f"hydra.run.dir={tmp_path / 'run'}",
         "+data.api_token=PLANTED-SECRET-1",
     )
-    stopped = run_cli(*args, cwd=tmp_path, env={FAULT_ENV: "parent-SIGTERM:0:9"})
+    fault = {FAULT_ENV: "parent-SIGTERM:0:9", "MLFLOW_TRACKING_URI": store}
+    stopped = run_cli(*args, cwd=tmp_path, env=fault)
     assert stopped.returncode == ExitCode.STOPPED, stopped.stderr[-3000:]
-    resumed = cli(*args, cwd=tmp_path, env={FAULT_ENV: None})  # (the signal needed a process)
+    # (the signal needed a process)
+    resumed = cli(*args, cwd=tmp_path, env={FAULT_ENV: None, "MLFLOW_TRACKING_URI": store})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run_dir = tmp_path / "run"
     steps = list(range(1, 31))
@@ -318,10 +321,14 @@ def test_help_lists_the_groups_users_pick_from_and_no_schema(cli, tmp_path):
 
 
 def test_launcher_torchrun_leaves_no_torchelastic_folder_behind(tmp_path):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    result = run_cli(
-        "launcher=torchrun", "trainer.max_steps=2", cwd=tmp_path, env={"TMPDIR": str(temp)}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(p.name for p in temp.iterdir() if "elastic" in p.name) == []
+    # A short TMPDIR: the fork server's socket lies in it, and a Unix socket's path is limited
+    # to 107 bytes (pytest's own tmp paths come close).
+    temp = Path(tempfile.mkdtemp(prefix="elastic-", dir="/tmp"))
+    try:
+        result = run_cli(
+            "launcher=torchrun", "trainer.max_steps=2", cwd=tmp_path, env={"TMPDIR": str(temp)}
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert sorted(p.name for p in temp.iterdir() if "elastic" in p.name) == []
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)

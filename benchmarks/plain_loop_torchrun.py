@@ -1,0 +1,78 @@
+"""The plain peer of the `command` benchmark: the DDP loop a user writes for torchrun, with
+nothing but torch. The same work as `train`'s small CNN on synthetic 32x32 images (the
+architecture of framework.components.models.SmallCNN, width 32), SGD, batch per rank, one
+thread per rank. Rank 0 prints `samples_per_s=<steady rate after warm-up>`.
+
+    torchrun --nproc_per_node=2 benchmarks/plain_loop_torchrun.py --steps 160
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch._dynamo  # noqa: F401  (as in plain_torchrun.py: DDP imports it anyway)
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def small_cnn(width: int = 32, classes: int = 10) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, classes),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    samples = args.steps * args.batch_size * world
+    images = torch.randn(samples, 3, args.image_size, args.image_size)
+    data = TensorDataset(images, torch.randint(0, 10, (samples,)))
+    loader = DataLoader(
+        data, batch_size=args.batch_size, sampler=DistributedSampler(data), drop_last=True
+    )
+    model = DistributedDataParallel(small_cnn(), bucket_cap_mb=25.0, gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    started = None
+    for step, (inputs, targets) in enumerate(loader, start=1):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        if step == args.warmup:
+            loss.item()  # the warm-up's work done before the clock starts
+            started = time.perf_counter()
+    loss.item()
+    seconds = time.perf_counter() - started
+    if dist.get_rank() == 0:
+        rate = (args.steps - args.warmup) * args.batch_size * world / seconds
+        print(f"samples_per_s={rate:.1f}", flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # see plain_torchrun.py: torch 2.13 can deadlock freeing a DDP model at exit
+
+
+if __name__ == "__main__":
+    main()
