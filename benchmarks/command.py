@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,16 +85,30 @@ def _sweep(work: Work, scratch: Path, rates: str) -> list[str]:
     ]
 
 
-def measure(name: str, argv: list[str], scratch: Path) -> dict[str, Any]:
-    started = time.perf_counter()
-    result = subprocess.run(
+def run_whole(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """The command in a session of its own: a peer that hangs is ended with every process it
+    started (Lightning's second rank is its own child, not ours)."""
+    with subprocess.Popen(
         argv,
-        cwd=scratch.parent,
+        cwd=cwd,
         text=True,
-        capture_output=True,
-        timeout=HUNG_S,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=HUNG_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise RuntimeError(f"hung for {HUNG_S} s: {' '.join(argv)}") from None
+    return subprocess.CompletedProcess(argv, process.returncode, stdout, stderr)
+
+
+def measure(name: str, argv: list[str], scratch: Path, warmup: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    result = run_whole(argv, scratch.parent)
     measured: dict[str, Any] = {"command_s": time.perf_counter() - started}
     if "mistake" in name:
         if result.returncode == 0:
@@ -105,7 +120,7 @@ def measure(name: str, argv: list[str], scratch: Path) -> dict[str, Any]:
         events = [
             json.loads(line) for line in (scratch / "metrics.jsonl").read_text().split("\n") if line
         ]
-        measured["samples_per_s"] = steady_samples_per_s(events, Work().warmup)
+        measured["samples_per_s"] = steady_samples_per_s(events, warmup)
     elif found := RATE.search(result.stdout + result.stderr):
         measured["samples_per_s"] = float(found.group(1))
     return measured
@@ -127,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for round_index, name in interleave(names, args.rounds):
         scratch = root / f"{name}-{round_index}".replace(" ", "-").replace(",", "")
-        measured = measure(name, commands(work, scratch)[name], scratch)
+        measured = measure(name, commands(work, scratch)[name], scratch, work.warmup)
         runs[name].append(measured)
         rate = measured.get("samples_per_s")
         shown = f"  {rate:.0f} samples/s" if rate else ""

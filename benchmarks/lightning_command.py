@@ -86,6 +86,10 @@ def main() -> None:
     if trainer.global_rank == 0:
         rate = (args.steps - args.warmup) * args.batch_size * 2 / timer.elapsed
         print(f"samples_per_s={rate:.1f}", flush=True)
+    # As in plain_torchrun.py: torch 2.13 can deadlock freeing a DDP model at exit (seen here
+    # too: a rank hung for minutes after fit). Both ranks leave without the interpreter's exit.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
