@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from framework.components.data import Loaders, to_device
 from framework.components.loggers import MetricSink
+from framework.components.strategy import local
 from framework.components.tasks import Task
 from framework.components.tasks.base import Count
 from framework.core import startup_clock
@@ -109,13 +110,14 @@ class Runner:
         self.window = _Window(device, extras=task.train_sums)
         self.rng = RNGStreams()
         self.position = LoaderPosition(loaders.train.generator)
+        self.strategy = strategy = model.strategy
         self.states = StateRegistry(
-            shared={  # identical on every rank: rank 0's copy is saved
-                "model": model.module,
-                "optimizer": self.optimizer,
+            shared={  # whole on rank 0 (gathered there under strategy=fsdp): rank 0's is saved
+                "model": strategy.model_state(model.module),
+                "optimizer": strategy.optimizer_state(model.module, self.optimizer),
                 "scheduler": self.scheduler,
                 "precision": self.precision,
-                "ema": model.ema,
+                "ema": None if model.ema is None else strategy.model_state(model.ema.module),
                 "trainer": FlatStates(self.state, selection),
             },
             per_rank={
@@ -229,7 +231,8 @@ class Runner:
             batch = self.to_device(batch)
             # Only the last micro-batch synchronises gradients; the others accumulate locally.
             sync = index == last or not self.env.distributed
-            with contextlib.nullcontext() if sync else model.no_sync():
+            no_sync = contextlib.nullcontext() if sync else None
+            with no_sync or self.strategy.no_sync(model, self.model.module):
                 with self.precision.forward_context():
                     loss = self.task.loss(model, batch)
                 self.precision.backward(loss.total * scale)
@@ -287,14 +290,15 @@ class Runner:
         one fused pass by GradScaler's own check with the scale 1 (a multiplication by 1 leaves
         every gradient bit-identical). None under amp, whose scaler checks and skips itself.
         After DDP's synchronisation the gradients are identical on every rank, so this rank's
-        answer is every rank's, at the same step, with no exchange."""
+        answer is every rank's, at the same step, with no exchange (under strategy=fsdp each
+        rank checks its shard, and the strategy makes the answer everyone's)."""
         if self.precision.skips_nonfinite_grads:
             return None
         found_inf = torch.zeros((), device=self.device)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self._one)
-        return found_inf
+        return self.strategy.agree(found_inf)
 
     def look_for_nonfinite(self, rider: torch.Tensor | None = None) -> list[float]:
         """Collective, before anything is logged or saved: a non-finite loss or gradient since
@@ -336,7 +340,13 @@ class Runner:
     def evaluate(self, loader: DataLoader, split: str) -> dict[str, float]:
         """The task's metrics over a whole split (`split/<metric>`), exact on any world size."""
         return evaluate(
-            self.task, self.model.evaluated, loader, self.precision, self.to_device, split
+            self.task,
+            self.model.evaluated,
+            loader,
+            self.precision,
+            self.to_device,
+            split,
+            lockstep=self.strategy.shards,
         )
 
     def periodic_evaluation(self) -> None:
@@ -413,8 +423,12 @@ class Runner:
         """Collective. `best`: (score, maximize) saves among the best checkpoints instead."""
         self.look_for_nonfinite()
 
-        def shared() -> dict[str, Any]:  # built on rank 0 only
-            return {**self.states.shared_state_dict(), "steps_per_epoch": self.steps_per_epoch}
+        # Built on rank 0 only, unless the states are gathered there (a collective).
+        built = self.states.shared_state_dict() if self.strategy.shards else None
+
+        def shared() -> dict[str, Any]:
+            states = built if built is not None else self.states.shared_state_dict()
+            return {**states, "steps_per_epoch": self.steps_per_epoch}
 
         return self.checkpointer.save(
             self.state.step, shared, self.states.rank_state_dict(), best=best
@@ -432,8 +446,9 @@ class Runner:
     def check_replicas_agree(self) -> None:
         """DDP keeps every rank's weights bit-identical. If they differ, the ranks did not
         train one model: different configs (an lr per rank) or different code. Costs one tiny
-        all-gather per run."""
-        if not self.env.distributed:
+        all-gather per run. Under strategy=fsdp each rank holds other shards: nothing to
+        compare."""
+        if not self.env.distributed or self.strategy.shards:
             return
         checksum = torch.stack([p.detach().double().sum() for p in self.model.module.parameters()])
         checksums = [torch.empty_like(checksum) for _ in range(self.env.world_size)]

@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from framework.components.comm import Comm
 from framework.components.ema import EMA
 from framework.components.precision import Precision
+from framework.components.strategy import DDP
 from framework.core.exits import CheckpointError
 from framework.storage.checkpoint import restore_rng, rng_state
 
@@ -36,9 +37,10 @@ class Stateful(Protocol):
 class Model:
     """The model in its three roles."""
 
-    train: nn.Module  # what forward/backward run on (DDP-wrapped, compiled)
-    module: nn.Module  # the bare model under it: its state_dict is what is saved
+    train: nn.Module  # what forward/backward run on (DDP-wrapped or sharded, compiled)
+    module: nn.Module  # the model under it (sharded in place by FSDP): what is saved
     ema: EMA | None = None  # evaluated instead of `module` when set
+    strategy: DDP = dataclasses.field(default_factory=DDP)  # how `module` is spread over ranks
 
     @property
     def evaluated(self) -> nn.Module:

@@ -136,6 +136,7 @@ SHIPPED = [
             "launcher",
             "precision",
             "comm",
+            "strategy",
         )
         for name in options(CONF_DIR / group)
     ),
