@@ -44,8 +44,6 @@ DEFAULT_BLOCKS: dict[str, tuple[str, ...]] = {
 }
 # Optimizers whose fused kernel cannot take sharded (DTensor) parameters.
 NO_FUSED = {"torch.optim.SGD"}
-# Whole tensors gathered to rank 0 on the host: what a checkpoint saves.
-GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # Whole tensors on every rank (each takes its shard); strict as nn.Module.load_state_dict.
 SCATTERED = StateDictOptions(full_state_dict=True, strict=True)
 
@@ -189,17 +187,25 @@ class FSDP(DDP):
             return {"fused": False}
         return {}
 
+    # Also on one rank: the optimizer's state then keeps FSDP's form (keyed by parameter
+    # name), so a checkpoint moves between one rank and several.
     def model_state(self, module: nn.Module) -> Any:
-        return ShardedModule(module) if self.shards else module
+        return ShardedModule(module)
 
     def optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> Any:
-        return ShardedOptimizer(module, optimizer) if self.shards else optimizer
+        return ShardedOptimizer(module, optimizer)
 
     def load_weights(self, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         if self.shards:
             set_model_state_dict(module, dict(state), options=SCATTERED)
         else:
             module.load_state_dict(state)
+
+
+def gathered() -> StateDictOptions:
+    """Whole tensors gathered to rank 0, on the host: what a checkpoint saves (one process
+    has nothing to gather from)."""
+    return StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
 
 
 def class_names(module: nn.Module) -> tuple[str, str]:
@@ -237,7 +243,7 @@ class ShardedModule:
         self.module = module
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.module, options=GATHERED)
+        return get_model_state_dict(self.module, options=gathered())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.module, state, options=SCATTERED)
@@ -250,7 +256,7 @@ class ShardedOptimizer:
         self.module, self.optimizer = module, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.module, self.optimizer, options=GATHERED)
+        return get_optimizer_state_dict(self.module, self.optimizer, options=gathered())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.module, self.optimizer, state, options=SCATTERED)

@@ -184,14 +184,12 @@ class Runner:
         while True:
             yield from micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum)
             self.state.epoch += 1
+            self.state.samples_in_epoch = 0
 
     def _epoch_batches(self) -> Iterator:
         """This epoch's loader iterator, starting where the (resumed) run stands in it."""
-        done_in_epoch = self.state.step - self.state.epoch * self.steps_per_epoch
-        self.loaders.sampler.set_epoch(
-            self.state.epoch,
-            skip=done_in_epoch * self.cfg.grad_accum * self.loaders.train.batch_size,
-        )
+        # From the global number of samples consumed: the same on any number of ranks.
+        self.loaders.sampler.set_epoch(self.state.epoch, start=self.state.samples_in_epoch)
         self.position.start_epoch()  # iter() below draws from the loader's generator
         batches = iter(self.loaders.train)
         # After iter(): building the iterator must not consume the restored streams.
@@ -248,6 +246,7 @@ class Runner:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.samples_seen += self.global_batch_size
+        self.state.samples_in_epoch += self.global_batch_size
         # A dropped update's loss is not averaged into train/loss.
         kept = totals if applied is None else torch.where(applied, totals, 0.0)
         return kept, agreed_signal
@@ -441,7 +440,16 @@ class Runner:
         """Restore every registered state; the RNG streams and the loader's position apply
         when fit() builds the epoch's iterator."""
         check_model_keys(path, payload["model"], self.model.module)
-        self.states.load_state_dict(payload, payload["ranks"][self.env.rank])
+        saved_ranks = payload["ranks"]
+        if len(saved_ranks) == self.env.world_size:
+            self.states.load_state_dict(payload, saved_ranks[self.env.rank])
+        else:  # per-rank states have no counterpart on another number of ranks
+            self.states.load_state_dict(payload, None)
+            if self.env.is_main:  # the unlogged steps' sums: one all-reduce adds them anyway
+                self.window.load_state_dict(_merged_windows(saved_ranks))
+        if "samples_in_epoch" not in payload["trainer"]:  # a checkpoint from before the field
+            done = self.state.step - self.state.epoch * payload["steps_per_epoch"]
+            self.state.samples_in_epoch = done * self.global_batch_size
 
     def check_replicas_agree(self) -> None:
         """DDP keeps every rank's weights bit-identical. If they differ, the ranks did not
@@ -482,6 +490,12 @@ class Runner:
         if self.selection.stopped_early:
             summary["stopped_early"] = self.selection.stopped_early
         return summary
+
+
+def _merged_windows(saved_ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    windows = [rank["window"] for rank in saved_ranks]
+    totals = torch.stack([window["totals"] for window in windows]).sum(0)
+    return {"totals": totals, "steps": windows[0]["steps"]}
 
 
 class _Window:

@@ -65,6 +65,7 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     samples_seen: int = 0
+    samples_in_epoch: int = 0  # of the current epoch, all ranks together: where its data resume
     train_seconds: float = 0.0
     nonfinite_skipped: int = 0
 
@@ -152,13 +153,18 @@ class StateRegistry:
     def rank_state_dict(self) -> dict[str, Any]:
         return {key: item.state_dict() for key, item in self.per_rank.items()}
 
-    def load_state_dict(self, shared: Mapping[str, Any], rank_state: Mapping[str, Any]) -> None:
-        """`shared`: the checkpoint's top level; `rank_state`: this rank's entry of its ranks.
+    def load_state_dict(
+        self, shared: Mapping[str, Any], rank_state: Mapping[str, Any] | None
+    ) -> None:
+        """`shared`: the checkpoint's top level; `rank_state`: this rank's entry of its ranks
+        (None: a checkpoint of another number of ranks, whose per-rank states stay as built).
         A part that does not fit (another optimizer, another scaler) is one CheckpointError
         naming it, not a traceback."""
         for key, item in self.shared.items():
             if item is not None and shared.get(key) is not None:
                 _load(key, item, shared[key])
+        if rank_state is None:
+            return
         for key, item in self.per_rank.items():
             _load(key, item, rank_state.get(key))
 
