@@ -15,7 +15,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import inspect
-import itertools
 import logging
 import math
 import pickle
@@ -343,20 +342,40 @@ class ShardSampler(Sampler[int]):
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way through: a resumed run sees exactly
-    the samples the interrupted one had not reached, in the same order."""
+    """DistributedSampler that can start an epoch part-way through its global order: a resumed
+    run, on the same or another number of ranks, sees exactly the samples of the epoch that the
+    interrupted one had not reached. The epoch's order does not depend on the world size
+    (seed + epoch); rank r of W takes every W-th sample of it, so after `start` samples of all
+    ranks together the rest is order[start + r :: W] (DistributedSampler's own split, when
+    `start` is a multiple of W)."""
 
-    skip = 0
+    start = 0  # samples of this epoch's global order already consumed, by all ranks together
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
         super().set_epoch(epoch)
-        self.skip = skip
+        self.start = start
+
+    def global_order(self) -> list[int]:
+        """The epoch's order over all ranks, cut or padded to total_size as DistributedSampler
+        does before it strides."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        else:
+            order = list(range(len(self.dataset)))
+        if self.drop_last:
+            return order[: self.total_size]
+        padding = self.total_size - len(order)
+        return order + (order * math.ceil(padding / max(len(order), 1)))[:padding]
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.islice(super().__iter__(), self.skip, None)
+        return iter(
+            self.global_order()[self.start + self.rank : self.total_size : self.num_replicas]
+        )
 
     def __len__(self) -> int:
-        return max(0, self.num_samples - self.skip)
+        return len(range(self.start + self.rank, self.total_size, self.num_replicas))
 
 
 def _loader_options(data_cfg, device: torch.device, collate_fn: Callable | None) -> dict:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from framework.components.strategy import local
+
 
 class EMA:
     """A copy of the model that follows ema <- decay * ema + (1 - decay) * weights after every
@@ -21,7 +23,8 @@ class EMA:
 
     @staticmethod
     def _tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        tensors = [t.detach() for t in (*module.parameters(), *module.buffers())]
+        # Under strategy=fsdp the EMA is sharded like the model: shard follows shard.
+        tensors = [local(t.detach()) for t in (*module.parameters(), *module.buffers())]
         return (
             [t for t in tensors if t.is_floating_point()],
             [t for t in tensors if not t.is_floating_point()],

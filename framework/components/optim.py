@@ -65,10 +65,14 @@ def _names(params: nn.Module | Iterable[torch.Tensor]) -> Iterable[tuple[str, An
 
 
 def build_optimizer(
-    optimizer_cfg: Any, params: nn.Module | Iterable[torch.Tensor], lr: float
+    optimizer_cfg: Any,
+    params: nn.Module | Iterable[torch.Tensor],
+    lr: float,
+    overrides: dict[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
+    """`overrides`: keywords the strategy replaces (strategy=fsdp: SGD unfused)."""
     kwargs = OmegaConf.to_container(optimizer_cfg)
     for key in OUR_KEYS:
         kwargs.pop(key, None)
-    kwargs["lr"] = lr
+    kwargs.update(overrides or {}, lr=lr)
     return instantiate(kwargs)(params=parameter_groups(optimizer_cfg, params, lr))

@@ -24,6 +24,8 @@ class Precision:
 
     name = "fp32"
     skips_nonfinite_grads = False  # True where the step itself skips inf/NaN gradients
+    # What strategy=fsdp gathers parameters and reduces gradients in (None: as they are, fp32)
+    param_dtype: torch.dtype | None = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -72,6 +74,7 @@ class Precision:
 
 class BF16(Precision):
     name = "bf16"
+    param_dtype = torch.bfloat16
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)

@@ -57,6 +57,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "bf16": s.BF16CommConfig,
         "powersgd": s.PowerSGDConfig,
     },
+    "strategy": {"ddp": s.StrategyConfig, "fsdp": s.FSDPConfig},
     "launcher": {
         "local": s.LocalLauncherConfig,
         "torchrun": s.TorchrunLauncherConfig,

@@ -391,6 +391,30 @@ class PowerSGDConfig(CommConfig):
     seed: int = 0  # random projections, identical on every rank
 
 
+# --- strategy: how the model is spread over the ranks (framework/components/strategy.py) ----
+@dataclass
+class StrategyConfig:
+    """DDP: every rank holds the whole model and optimizer; gradients are all-reduced (with
+    comm=<option>'s hook and dist.ddp.*)."""
+
+    _target_: str = "framework.components.strategy.DDP"
+
+
+@dataclass
+class FSDPConfig(StrategyConfig):
+    """FSDP2 (torch.distributed.fsdp.fully_shard): parameters, gradients and optimizer state
+    sharded over the ranks of a 1-D mesh (a 2-D (replicate, shard) mesh is HSDP, not built yet)."""
+
+    _target_: str = "framework.components.strategy.FSDP"
+    # Module classes sharded one by one (class names, or module.ClassName), then the root.
+    # null: the model's own blocks (GPT: TransformerBlock; ResNets: BasicBlock, Bottleneck;
+    # others: only the root, one unit).
+    block_classes: list[str] | None = None
+    # true: free each unit's gathered parameters after its forward, gather again for backward
+    # (less memory); false: keep them to the backward (one all-gather less per unit).
+    reshard_after_forward: bool = True
+
+
 # --- tasks (framework/components/tasks/) ----------------------------------------------------
 @dataclass
 class TaskConfig:
@@ -635,6 +659,7 @@ class Config:
     scheduler: Any = MISSING
     precision: Any = MISSING
     comm: Any = MISSING
+    strategy: Any = MISSING
     launcher: Any = setting(MISSING, resumable=True)
     # Any number of loggers, each under its name: logger=[wandb,tensorboard,csv,mlflow].
     logger: dict[str, Any] = setting({}, resumable=True)

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schemas as s
-from framework.config.registry import shipped_targets
+from framework.config.registry import SCHEMAS, shipped_targets
 from framework.config.target_keys import check_target_keys
 from framework.core import launch_context
 from framework.core.allowlist import check_targets
@@ -28,7 +28,17 @@ from framework.core.exits import ConfigError
 
 CPU_RANKS_PER_CORE = 4  # beyond this a CPU run only thrashes (launcher.oversubscribe insists)
 RUN_METRICS = {"samples_per_s": "max", "wall_s": "min"}  # objectives every run reports
-GROUPS = ("task", "model", "data", "optimizer", "scheduler", "precision", "comm", "launcher")
+GROUPS = (
+    "task",
+    "model",
+    "data",
+    "optimizer",
+    "scheduler",
+    "precision",
+    "comm",
+    "strategy",
+    "launcher",
+)
 # Loggers whose library is an optional dependency (the `loggers` dependency group).
 LOGGER_PACKAGES = {s.TensorBoardLoggerConfig: "tensorboard", s.MLflowLoggerConfig: "mlflow"}
 
@@ -334,6 +344,34 @@ def _check_powersgd(comm: DictConfig, cfg: DictConfig) -> None:
     )
 
 
+def _check_fsdp(strategy: DictConfig, cfg: DictConfig) -> None:
+    """What FSDP's sharded gradients rule out: DDP's comm hooks, and a GradScaler that reads
+    whole gradients on each rank."""
+    comm = OmegaConf.get_type(cfg.comm)
+    require(
+        comm is s.CommConfig,
+        f"comm={_option_name(comm)} is a DDP comm hook and strategy=fsdp reduce-scatters "
+        "gradients itself: use comm=allreduce with strategy=fsdp, or strategy=ddp",
+    )
+    require(
+        not issubclass(OmegaConf.get_type(cfg.precision) or object, s.AmpConfig),
+        "precision=amp's GradScaler needs whole gradients on every rank and strategy=fsdp shards "
+        "them: use precision=bf16 (or fp32) with strategy=fsdp, or strategy=ddp",
+    )
+    for name in strategy.block_classes or ():
+        require(
+            bool(name) and all(part.isidentifier() for part in str(name).split(".")),
+            f"strategy.block_classes: {name!r} is not a class name: give names such as "
+            "TransformerBlock or torch.nn.Linear",
+        )
+
+
+def _option_name(schema: type | None) -> str:
+    """The shipped option a comm schema is (its name in conf/comm), else the schema's name."""
+    names = {kind: name for name, kind in SCHEMAS["comm"].items()}
+    return names.get(schema, getattr(schema, "__name__", "?"))
+
+
 def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
     # Submitting from a login node: the compute nodes' mounts may be missing here.
     submitting = cfg.launcher.name == "slurm" and not isinstance(
@@ -418,6 +456,7 @@ CHECKS: dict[type, Check] = {
     s.SubmititLauncherConfig: _check_submitit,
     s.AmpConfig: _check_amp,
     s.PowerSGDConfig: _check_powersgd,
+    s.FSDPConfig: _check_fsdp,
     s.Cifar10Config: _check_cifar10,
     s.AutoencoderConfig: _check_autoencoder,
     s.ClassificationConfig: _check_classification,

@@ -29,6 +29,7 @@ from framework.components.data import Loaders, Splits, build_loaders, load_split
 from framework.components.ema import EMA
 from framework.components.loggers import build_sink, setup_logging
 from framework.components.optim import build_optimizer, scaled_lr
+from framework.components.precision import Precision
 from framework.components.tasks import Task, first_batch
 from framework.config.redaction import redacted_container
 from framework.config.settings import training_settings
@@ -41,7 +42,6 @@ from framework.core.distributed import (
     pick_backend,
     pick_device,
     process_group,
-    wrap_ddp,
 )
 from framework.core.exits import ConfigError, NonFiniteLoss, Stopped
 from framework.core.launch_context import DistEnv
@@ -116,13 +116,15 @@ def _train(
     splits, loaders = build_data(cfg, env, device, global_batch_size)
     startup_clock.mark("data")
     total_steps = planned_steps(t, steps_per_epoch=len(loaders.train) // t.grad_accum)
-    model = build_model(cfg, env, device)
+    log.info("Instantiating precision <%s>", cfg.precision._target_)
+    precision = instantiate(cfg.precision)(device=device)
+    model = build_model(cfg, env, device, precision.param_dtype)
     check_task(task, model.module, splits, loaders, device)
     startup_clock.mark("model")
     if cfg.mode == "eval":
         return evaluate_checkpoint(cfg, run, env, device, task, loaders, model)
     seed_everything(t.seed + env.rank)  # per-rank streams from here on (dropout, augmentation)
-    optimization = build_optimization(cfg, env, device, model, global_batch_size, total_steps)
+    optimization = build_optimization(cfg, env, model, precision, global_batch_size, total_steps)
     if t.compile:
         # After the comm hook is registered on the DDP wrapper, which is what gets compiled;
         # checkpoints keep the bare module's keys.
@@ -183,8 +185,12 @@ def _train(
         objective, direction = resolve_objective(cfg.objective, task.directions())
         summary.update(objective=objective, objective_direction=direction)
         sink.summary(summary)
+        # A sharded model's forward is a collective: every rank makes them, rank 0 writes.
+        if env.is_main or model.strategy.shards:
+            made = write_artifacts(
+                task, model.evaluated, splits, loaders, device, run, write=env.is_main
+            )
         if env.is_main:
-            made = write_artifacts(task, model.evaluated, splits, loaders, device, run)
             try_plot(plot_run, run.path)
             sink.add_files([*made, run.curves] if run.curves.exists() else made)
     finally:
@@ -284,12 +290,16 @@ def write_artifacts(
     loaders: Loaders,
     device: torch.device,
     run: RunDir,
+    write: bool = True,
 ) -> list[Path]:
-    """What the task makes from the trained model (pictures, text), into the run dir."""
+    """What the task makes from the trained model (pictures, text), into the run dir (made
+    and not written where `write` is false)."""
     batch = first_batch(splits.val, loaders.val.batch_size, loaders.val.collate_fn)
     model.eval()
     with preserved_rng(), torch.no_grad():
         made = task.artifacts(model, to_device(batch, device), splits.decode)
+    if not write:
+        return []
     for name, content in made.items():
         if isinstance(content, str):
             (run.path / name).write_text(content)
@@ -298,8 +308,11 @@ def write_artifacts(
     return [run.path / name for name in made if (run.path / name).exists()]
 
 
-def build_model(cfg: DictConfig, env: DistEnv, device: torch.device) -> Model:
-    """The bare model on the device, what forward runs on (DDP, compiled), and its EMA."""
+def build_model(
+    cfg: DictConfig, env: DistEnv, device: torch.device, param_dtype: torch.dtype | None = None
+) -> Model:
+    """The model on the device, what forward runs on (DDP-wrapped or sharded by
+    strategy=<option>), and its EMA. `param_dtype`: what FSDP gathers parameters in."""
     t = cfg.trainer
     log.info("Instantiating model <%s>", cfg.model._target_)
     module = instantiate(cfg.model)
@@ -313,25 +326,30 @@ def build_model(cfg: DictConfig, env: DistEnv, device: torch.device) -> Model:
     module = module.to(device)
     if t.channels_last:
         module = module.to(memory_format=torch.channels_last)
-    train = wrap_ddp(module, device, cfg.dist.ddp) if env.distributed else module
-    return Model(train, module, EMA(module, t.ema_decay) if t.ema_decay is not None else None)
+    ema = EMA(module, t.ema_decay) if t.ema_decay is not None else None
+    log.info("Instantiating strategy <%s>", cfg.strategy._target_)
+    strategy = instantiate(cfg.strategy)
+    train = strategy.wrap(
+        module, ema and ema.module, env, device, cfg.dist.ddp, param_dtype=param_dtype
+    )
+    return Model(train, module, ema, strategy)
 
 
 def build_optimization(
     cfg: DictConfig,
     env: DistEnv,
-    device: torch.device,
     model: Model,
+    precision: Precision,
     global_batch_size: int,
     total_steps: int,
 ) -> Optimization:
-    """Precision, the DDP comm hook (registered on the model), optimizer and schedule."""
-    precision = instantiate(cfg.precision)(device=device)
+    """The DDP comm hook (registered on the model), optimizer and schedule, with precision."""
     comm = instantiate(cfg.comm)(env=env)
     comm.guard_nonfinite = cfg.trainer.on_nonfinite == "skip"
     comm.attach(model.train, model.module, grad_scale=precision.loss_scale)
     lr = scaled_lr(cfg.optimizer, global_batch_size)
     log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)
-    optimizer = build_optimizer(cfg.optimizer, model.module, lr)
+    overrides = model.strategy.optimizer_overrides(cfg.optimizer)
+    optimizer = build_optimizer(cfg.optimizer, model.module, lr, overrides)
     scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=total_steps)
     return Optimization(optimizer, scheduler, precision, comm)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -41,21 +42,49 @@ def evaluate(
     precision: Precision,
     to_device: Callable[[Any], Any],
     split: str = "val",
+    lockstep: bool = False,
 ) -> dict[str, float]:
     """The task's metrics over a whole split: every rank adds up the task's sum states over its
     shard (no padding, no duplicates) on the device, packed into one vector whatever their
-    shapes (task.state_shapes), then one all-reduce of all of them."""
+    shapes (task.state_shapes), then one all-reduce of all of them.
+    `lockstep`: a forward is a collective (strategy=fsdp gathers parameters), so a rank with
+    fewer batches runs its last one again, uncounted, until every rank has run as many."""
     model.eval()
     shapes = {name: task.state_shapes.get(name, ()) for name in task.states}
     device = next(model.parameters()).device
     totals = pack_states(task, {name: torch.zeros(shapes[name]) for name in shapes}, shapes, device)
+    # Counted before any forward: the count's all-reduce must not meet another rank's gather.
+    missing = _missing_forwards(len(loader), device) if lockstep else 0
+    batch = None
     for batch in loader:
         batch = to_device(batch)
         with precision.forward_context():
             states = task.evaluate(model, batch)
         totals += pack_states(task, states, shapes, device)
+    _run_uncounted(task, model, batch, precision, missing)
     reduced = unpack_states(task, all_reduce_sum(totals), shapes)
     return {f"{split}/{name}": float(value) for name, value in task.compute(reduced).items()}
+
+
+def _missing_forwards(batches: int, device: torch.device) -> int:
+    """How many fewer batches this rank has than the rank with the most (one all-reduce)."""
+    most = torch.tensor(batches, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most) - batches
+
+
+def _run_uncounted(
+    task: Task, model: nn.Module, batch: Any, precision: Precision, times: int
+) -> None:
+    if times and batch is None:
+        raise ConfigError(
+            "strategy=fsdp: this rank's shard of the evaluation split is empty, and every rank "
+            "must run each forward: use fewer ranks or a larger split"
+        )
+    for _ in range(times):
+        with precision.forward_context():
+            task.evaluate(model, batch)
 
 
 def evaluate_checkpoint(
@@ -81,7 +110,9 @@ def evaluate_checkpoint(
     _check_same_experiment(path, payload, redacted_container(cfg))
     evaluated = model.ema.module if model.ema is not None and payload["ema"] else model.module
     check_model_keys(path, payload["ema" if evaluated is not model.module else "model"], evaluated)
-    evaluated.load_state_dict(payload["ema" if evaluated is not model.module else "model"])
+    model.strategy.load_weights(
+        evaluated, payload["ema" if evaluated is not model.module else "model"]
+    )
     precision = instantiate(cfg.precision)(device=device)
     metrics = evaluate(
         task,
@@ -90,6 +121,7 @@ def evaluate_checkpoint(
         precision,
         lambda batch: to_device(batch, device, cfg.trainer.channels_last),
         split,
+        lockstep=model.strategy.shards,
     )
     if not env.is_main:
         return None

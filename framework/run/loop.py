@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from framework.components.data import Loaders, to_device
 from framework.components.loggers import MetricSink
+from framework.components.strategy import local
 from framework.components.tasks import Task
 from framework.components.tasks.base import Count
 from framework.core import startup_clock
@@ -109,13 +110,14 @@ class Runner:
         self.window = _Window(device, extras=task.train_sums)
         self.rng = RNGStreams()
         self.position = LoaderPosition(loaders.train.generator)
+        self.strategy = strategy = model.strategy
         self.states = StateRegistry(
-            shared={  # identical on every rank: rank 0's copy is saved
-                "model": model.module,
-                "optimizer": self.optimizer,
+            shared={  # whole on rank 0 (gathered there under strategy=fsdp): rank 0's is saved
+                "model": strategy.model_state(model.module),
+                "optimizer": strategy.optimizer_state(model.module, self.optimizer),
                 "scheduler": self.scheduler,
                 "precision": self.precision,
-                "ema": model.ema,
+                "ema": None if model.ema is None else strategy.model_state(model.ema.module),
                 "trainer": FlatStates(self.state, selection),
             },
             per_rank={
@@ -182,14 +184,12 @@ class Runner:
         while True:
             yield from micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum)
             self.state.epoch += 1
+            self.state.samples_in_epoch = 0
 
     def _epoch_batches(self) -> Iterator:
         """This epoch's loader iterator, starting where the (resumed) run stands in it."""
-        done_in_epoch = self.state.step - self.state.epoch * self.steps_per_epoch
-        self.loaders.sampler.set_epoch(
-            self.state.epoch,
-            skip=done_in_epoch * self.cfg.grad_accum * self.loaders.train.batch_size,
-        )
+        # From the global number of samples consumed: the same on any number of ranks.
+        self.loaders.sampler.set_epoch(self.state.epoch, start=self.state.samples_in_epoch)
         self.position.start_epoch()  # iter() below draws from the loader's generator
         batches = iter(self.loaders.train)
         # After iter(): building the iterator must not consume the restored streams.
@@ -229,7 +229,8 @@ class Runner:
             batch = self.to_device(batch)
             # Only the last micro-batch synchronises gradients; the others accumulate locally.
             sync = index == last or not self.env.distributed
-            with contextlib.nullcontext() if sync else model.no_sync():
+            no_sync = contextlib.nullcontext() if sync else None
+            with no_sync or self.strategy.no_sync(model, self.model.module):
                 with self.precision.forward_context():
                     loss = self.task.loss(model, batch)
                 self.precision.backward(loss.total * scale)
@@ -245,6 +246,7 @@ class Runner:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.samples_seen += self.global_batch_size
+        self.state.samples_in_epoch += self.global_batch_size
         # A dropped update's loss is not averaged into train/loss.
         kept = totals if applied is None else torch.where(applied, totals, 0.0)
         return kept, agreed_signal
@@ -287,14 +289,15 @@ class Runner:
         one fused pass by GradScaler's own check with the scale 1 (a multiplication by 1 leaves
         every gradient bit-identical). None under amp, whose scaler checks and skips itself.
         After DDP's synchronisation the gradients are identical on every rank, so this rank's
-        answer is every rank's, at the same step, with no exchange."""
+        answer is every rank's, at the same step, with no exchange (under strategy=fsdp each
+        rank checks its shard, and the strategy makes the answer everyone's)."""
         if self.precision.skips_nonfinite_grads:
             return None
         found_inf = torch.zeros((), device=self.device)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self._one)
-        return found_inf
+        return self.strategy.agree(found_inf)
 
     def look_for_nonfinite(self, rider: torch.Tensor | None = None) -> list[float]:
         """Collective, before anything is logged or saved: a non-finite loss or gradient since
@@ -336,7 +339,13 @@ class Runner:
     def evaluate(self, loader: DataLoader, split: str) -> dict[str, float]:
         """The task's metrics over a whole split (`split/<metric>`), exact on any world size."""
         return evaluate(
-            self.task, self.model.evaluated, loader, self.precision, self.to_device, split
+            self.task,
+            self.model.evaluated,
+            loader,
+            self.precision,
+            self.to_device,
+            split,
+            lockstep=self.strategy.shards,
         )
 
     def periodic_evaluation(self) -> None:
@@ -413,8 +422,12 @@ class Runner:
         """Collective. `best`: (score, maximize) saves among the best checkpoints instead."""
         self.look_for_nonfinite()
 
-        def shared() -> dict[str, Any]:  # built on rank 0 only
-            return {**self.states.shared_state_dict(), "steps_per_epoch": self.steps_per_epoch}
+        # Built on rank 0 only, unless the states are gathered there (a collective).
+        built = self.states.shared_state_dict() if self.strategy.shards else None
+
+        def shared() -> dict[str, Any]:
+            states = built if built is not None else self.states.shared_state_dict()
+            return {**states, "steps_per_epoch": self.steps_per_epoch}
 
         return self.checkpointer.save(
             self.state.step, shared, self.states.rank_state_dict(), best=best
@@ -427,13 +440,23 @@ class Runner:
         """Restore every registered state; the RNG streams and the loader's position apply
         when fit() builds the epoch's iterator."""
         check_model_keys(path, payload["model"], self.model.module)
-        self.states.load_state_dict(payload, payload["ranks"][self.env.rank])
+        saved_ranks = payload["ranks"]
+        if len(saved_ranks) == self.env.world_size:
+            self.states.load_state_dict(payload, saved_ranks[self.env.rank])
+        else:  # per-rank states have no counterpart on another number of ranks
+            self.states.load_state_dict(payload, None)
+            if self.env.is_main:  # the unlogged steps' sums: one all-reduce adds them anyway
+                self.window.load_state_dict(_merged_windows(saved_ranks))
+        if "samples_in_epoch" not in payload["trainer"]:  # a checkpoint from before the field
+            done = self.state.step - self.state.epoch * payload["steps_per_epoch"]
+            self.state.samples_in_epoch = done * self.global_batch_size
 
     def check_replicas_agree(self) -> None:
         """DDP keeps every rank's weights bit-identical. If they differ, the ranks did not
         train one model: different configs (an lr per rank) or different code. Costs one tiny
-        all-gather per run."""
-        if not self.env.distributed:
+        all-gather per run. Under strategy=fsdp each rank holds other shards: nothing to
+        compare."""
+        if not self.env.distributed or self.strategy.shards:
             return
         checksum = torch.stack([p.detach().double().sum() for p in self.model.module.parameters()])
         checksums = [torch.empty_like(checksum) for _ in range(self.env.world_size)]
@@ -467,6 +490,12 @@ class Runner:
         if self.selection.stopped_early:
             summary["stopped_early"] = self.selection.stopped_early
         return summary
+
+
+def _merged_windows(saved_ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    windows = [rank["window"] for rank in saved_ranks]
+    totals = torch.stack([window["totals"] for window in windows]).sum(0)
+    return {"totals": totals, "steps": windows[0]["steps"]}
 
 
 class _Window:

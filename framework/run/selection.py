@@ -129,7 +129,8 @@ class Selection:
         if best is None:
             return "final weights"
         payload = read_checkpoint(best)
-        model.evaluated.load_state_dict(payload["ema" if model.ema is not None else "model"])
+        weights = payload["ema" if model.ema is not None else "model"]
+        model.strategy.load_weights(model.evaluated, weights)
         return f"best checkpoint ({best.resolve().name})"
 
     def state_dict(self) -> dict[str, Any]:

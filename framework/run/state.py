@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from framework.components.comm import Comm
 from framework.components.ema import EMA
 from framework.components.precision import Precision
+from framework.components.strategy import DDP
 from framework.core.exits import CheckpointError
 from framework.storage.checkpoint import restore_rng, rng_state
 
@@ -36,9 +37,10 @@ class Stateful(Protocol):
 class Model:
     """The model in its three roles."""
 
-    train: nn.Module  # what forward/backward run on (DDP-wrapped, compiled)
-    module: nn.Module  # the bare model under it: its state_dict is what is saved
+    train: nn.Module  # what forward/backward run on (DDP-wrapped or sharded, compiled)
+    module: nn.Module  # the model under it (sharded in place by FSDP): what is saved
     ema: EMA | None = None  # evaluated instead of `module` when set
+    strategy: DDP = dataclasses.field(default_factory=DDP)  # how `module` is spread over ranks
 
     @property
     def evaluated(self) -> nn.Module:
@@ -63,6 +65,7 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     samples_seen: int = 0
+    samples_in_epoch: int = 0  # of the current epoch, all ranks together: where its data resume
     train_seconds: float = 0.0
     nonfinite_skipped: int = 0
 
@@ -150,13 +153,18 @@ class StateRegistry:
     def rank_state_dict(self) -> dict[str, Any]:
         return {key: item.state_dict() for key, item in self.per_rank.items()}
 
-    def load_state_dict(self, shared: Mapping[str, Any], rank_state: Mapping[str, Any]) -> None:
-        """`shared`: the checkpoint's top level; `rank_state`: this rank's entry of its ranks.
+    def load_state_dict(
+        self, shared: Mapping[str, Any], rank_state: Mapping[str, Any] | None
+    ) -> None:
+        """`shared`: the checkpoint's top level; `rank_state`: this rank's entry of its ranks
+        (None: a checkpoint of another number of ranks, whose per-rank states stay as built).
         A part that does not fit (another optimizer, another scaler) is one CheckpointError
         naming it, not a traceback."""
         for key, item in self.shared.items():
             if item is not None and shared.get(key) is not None:
                 _load(key, item, shared[key])
+        if rank_state is None:
+            return
         for key, item in self.per_rank.items():
             _load(key, item, rank_state.get(key))
 

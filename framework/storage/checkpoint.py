@@ -354,11 +354,16 @@ class Checkpointer:
             return None
         if payload is None:
             payload = read(choice)
-        if payload["world_size"] != self.env.world_size:
-            raise CheckpointError(
-                f"{choice} was written by {payload['world_size']} ranks and this run has "
-                f"{self.env.world_size}: every rank resumes its own RNG and communication state, "
-                f"so use launcher.nproc_per_node (x nodes) = {payload['world_size']}"
+        if payload["world_size"] != self.env.world_size and self.env.is_main:
+            log.warning(
+                "resuming %s, written by %d ranks, on %d: the model and optimizer state are "
+                "resharded and the data continue from the epoch's global position; each rank's "
+                "RNG streams and comm-hook memory cannot carry over to another number of ranks, "
+                "so the run continues without being bit-identical to one that kept %d ranks",
+                choice,
+                payload["world_size"],
+                self.env.world_size,
+                payload["world_size"],
             )
         differences = settings_differences(payload, self.settings)
         if differences and self.cfg.resume == "auto":

@@ -155,6 +155,10 @@ BAD_INPUT = [
     (["data=cifar10"], ["data.root", "cifar-10-batches-py", "data.download=true"]),
     (["comm=powersgd", "comm.rank=0"], ["comm.rank=0", ">= 1"]),
     (["comm=powersgd", "comm.start_iter=-1"], ["comm.start_iter=-1", ">= 0"]),
+    (
+        ["strategy=fsdp", "comm=powersgd"],
+        ["error: comm=powersgd", "strategy=fsdp", "comm=allreduce"],
+    ),
     (["precision=fp8"], ["precision/fp8", "amp", "bf16", "fp32"]),
     # Rejected by the ranks after Hydra made the run dir: the dir is removed again.
     (

@@ -144,6 +144,11 @@ def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
         (["data=cifar10", "data.root=/nonexistent"], "data.root=/nonexistent"),
         (["trainer.max_steps=null", "trainer.max_epochs=null"], "trainer.max_steps"),
         (["trainer.ema_decay=1.5"], "trainer.ema_decay"),
+        # Gradients sharded by FSDP: DDP's comm hooks and amp's GradScaler cannot run.
+        (["strategy=fsdp", "comm=powersgd"], "comm=powersgd is a DDP comm hook"),
+        (["strategy=fsdp", "comm=fp16"], "use comm=allreduce with strategy=fsdp"),
+        (["strategy=fsdp", "precision=amp"], "GradScaler needs whole gradients on every rank"),
+        (["strategy=fsdp", "strategy.block_classes=[my block]"], "is not a class name"),
         # Every key of a component's node is something its callable (or the framework) takes.
         (["+model.hiden=3"], "model.hiden is not a setting of framework.components.models"),
         (["+optimizer.momentun=0.5"], "did you mean optimizer.momentum?"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from framework.components.data import (
+    ResumableSampler,
     ShardSampler,
     bundled_with_scikit_learn,
     cifar10,
@@ -23,6 +24,42 @@ from framework.components.data import (
 def test_eval_shards_cover_every_sample_once_without_padding(world_size):
     shards = [list(ShardSampler(101, rank, world_size)) for rank in range(world_size)]
     assert sorted(i for shard in shards for i in shard) == list(range(101))
+
+
+def samplers(world_size: int, start: int = 0) -> list[ResumableSampler]:
+    found = []
+    for rank in range(world_size):
+        sampler = ResumableSampler(
+            range(100), num_replicas=world_size, rank=rank, shuffle=True, seed=7, drop_last=True
+        )
+        sampler.set_epoch(3, start=start)
+        found.append(sampler)
+    return found
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 3), (2, 3), (3, 2), (2, 2)])
+def test_a_resumed_epoch_continues_from_the_global_position_on_any_world_size(before, after):
+    """Rank r of W draws every W-th sample of one global order: 12 per rank on `before` ranks,
+    then the rest of the epoch on `after` ranks, is that order with no sample twice or skipped
+    (except the tail that drop_last cuts to a multiple of `after`)."""
+    seen = [i for sampler in samplers(before) for i in list(sampler)[:12]]
+    rest = [list(sampler) for sampler in samplers(after, start=12 * before)]
+    order = samplers(after)[0].global_order()
+    assert sorted(seen + [i for shard in rest for i in shard]) == sorted(order)
+    assert sorted(seen) == sorted(order[: 12 * before])
+    assert [len(shard) for shard in rest] == [
+        len(sampler) for sampler in samplers(after, 12 * before)
+    ]
+
+
+def test_on_the_same_world_size_the_resumed_shard_is_the_rest_of_the_uninterrupted_one():
+    for whole, resumed in zip(samplers(2), samplers(2, start=2 * 10), strict=True):
+        assert list(resumed) == list(whole)[10:]
+        reference = torch.utils.data.DistributedSampler(
+            range(100), num_replicas=2, rank=whole.rank, shuffle=True, seed=7, drop_last=True
+        )
+        reference.set_epoch(3)
+        assert list(whole) == list(reference)  # torch's own split, unchanged
 
 
 def test_digits_is_the_real_bundled_dataset():

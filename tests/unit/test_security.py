@@ -196,6 +196,7 @@ SHIPPED = [
             "launcher",
             "precision",
             "comm",
+            "strategy",
         )
         for name in options(CONF_DIR / group)
     ),

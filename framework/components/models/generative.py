@@ -85,7 +85,9 @@ class VAE(nn.Module):
         return self.decode(z), mu, logvar
 
 
-class _Block(nn.Module):
+class TransformerBlock(nn.Module):
+    """Pre-norm causal self-attention, then an MLP, each on a residual path."""
+
     def __init__(self, width: int, heads: int, dropout: float) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
@@ -125,7 +127,7 @@ class GPT(nn.Module):
         self.tokens = nn.Embedding(vocab_size, width)
         self.positions = nn.Embedding(block_size, width)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(_Block(width, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(TransformerBlock(width, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)
         self.head.weight = self.tokens.weight

@@ -1,0 +1,262 @@
+"""How the model is spread over the ranks: `strategy=ddp` (a whole replica per rank) or
+`strategy=fsdp` (FSDP2: parameters, gradients and optimizer state sharded).
+
+One small object per option, built from `strategy=<option>` by `_target_`. The loop asks it
+four things: wrap the model, accumulate without synchronising, agree on a per-step flag that
+only one rank's shard may raise, and hand out the states a checkpoint saves. What a checkpoint
+holds is the same for both: whole tensors under the bare model's keys (FSDP gathers them to
+rank 0, and slices them again on load), so a checkpoint loads on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from framework.config.schemas import FSDPConfig
+from framework.core.distributed import wrap_ddp
+from framework.core.exits import ConfigError
+from framework.core.launch_context import DistEnv
+
+log = logging.getLogger("framework")
+
+# block_classes=null: what each shipped model is sharded by (its repeated blocks).
+DEFAULT_BLOCKS: dict[str, tuple[str, ...]] = {
+    "GPT": ("TransformerBlock",),
+    "ResNet": ("BasicBlock", "Bottleneck"),
+}
+# Optimizers whose fused kernel cannot take sharded (DTensor) parameters.
+NO_FUSED = {"torch.optim.SGD"}
+# Whole tensors on every rank (each takes its shard); strict as nn.Module.load_state_dict.
+SCATTERED = StateDictOptions(full_state_dict=True, strict=True)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor: a view, written through in place."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class DDP:
+    """Every rank holds the whole model; DDP all-reduces the gradients (dist.ddp.*)."""
+
+    name = "ddp"
+    shards = False  # parameters (and their gradients) are whole on every rank
+
+    def wrap(
+        self,
+        module: nn.Module,
+        ema_module: nn.Module | None,
+        env: DistEnv,
+        device: torch.device,
+        ddp_options: Mapping[str, Any],
+        param_dtype: torch.dtype | None = None,
+    ) -> nn.Module:
+        """What forward and backward run on (the bare module on one rank)."""
+        return wrap_ddp(module, device, ddp_options) if env.distributed else module
+
+    def no_sync(self, train: nn.Module, module: nn.Module) -> contextlib.AbstractContextManager:
+        """Backward accumulates gradients locally: no communication until the last
+        micro-batch."""
+        return train.no_sync()
+
+    def agree(self, flag: torch.Tensor) -> torch.Tensor:
+        """A flag every rank must act on alike (gradients found non-finite): DDP's gradients
+        are identical on every rank, so each rank's own answer already is everyone's."""
+        return flag
+
+    def optimizer_overrides(self, optimizer_cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """Optimizer keywords this strategy cannot run as configured, and what it runs instead."""
+        return {}
+
+    def model_state(self, module: nn.Module) -> Any:
+        """The Stateful a checkpoint saves a module's weights through."""
+        return module
+
+    def optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> Any:
+        return optimizer
+
+    def load_weights(self, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        """Whole tensors (a checkpoint's) into the module."""
+        module.load_state_dict(state)
+
+
+class FSDP(DDP):
+    """FSDP2: `fully_shard` on each block, then on the root, over a 1-D mesh of every rank.
+    Gradients are reduce-scattered (averaged, as DDP's are); with precision=bf16 parameters
+    are gathered and gradients reduced in bfloat16 while the optimizer keeps fp32 shards."""
+
+    name = "fsdp"
+
+    def __init__(
+        self,
+        block_classes: list[str] | None = FSDPConfig.block_classes,
+        reshard_after_forward: bool = FSDPConfig.reshard_after_forward,
+    ) -> None:
+        self.block_classes = None if block_classes is None else list(block_classes)
+        self.reshard_after_forward = reshard_after_forward
+        self.shards = False  # until wrap() shards: one rank trains the whole model
+
+    def wrap(
+        self,
+        module: nn.Module,
+        ema_module: nn.Module | None,
+        env: DistEnv,
+        device: torch.device,
+        ddp_options: Mapping[str, Any],
+        param_dtype: torch.dtype | None = None,
+    ) -> nn.Module:
+        if not env.distributed:
+            log.warning("strategy=fsdp with world_size=1: nothing to shard, the model trains whole")
+            return module
+        mesh = init_device_mesh(device.type, (env.world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
+        names = self._block_names(module)
+        units = len(blocks(module, names))
+        # The EMA is sharded alike: its update then works on matching local shards.
+        for target in (module, ema_module) if ema_module is not None else (module,):
+            for block in blocks(target, names):
+                fully_shard(
+                    block,
+                    mesh=mesh,
+                    reshard_after_forward=self.reshard_after_forward,
+                    mp_policy=policy,
+                )
+            fully_shard(
+                target,
+                mesh=mesh,
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=policy,
+            )
+        self.shards = True
+        log.info(
+            "strategy=fsdp: %d block(s) of %s, then the root, sharded over %d ranks",
+            units,
+            ", ".join(names) or "(none)",
+            env.world_size,
+        )
+        return module
+
+    def _block_names(self, module: nn.Module) -> tuple[str, ...]:
+        if self.block_classes is None:
+            return DEFAULT_BLOCKS.get(type(module).__name__, ())
+        present = {qualified for sub in module.modules() for qualified in class_names(sub)}
+        unknown = [name for name in self.block_classes if name not in present]
+        if unknown:
+            shown = sorted({type(sub).__name__ for sub in module.modules()})
+            raise ConfigError(
+                f"strategy.block_classes: {', '.join(unknown)} is no module class of "
+                f"{type(module).__name__} (its classes: {', '.join(shown[:12])}); name one of "
+                "them, or null for the model's default"
+            )
+        return tuple(self.block_classes)
+
+    def no_sync(self, train: nn.Module, module: nn.Module) -> contextlib.AbstractContextManager:
+        if not self.shards:
+            return contextlib.nullcontext()
+        return _gradient_sync_off(module)
+
+    def agree(self, flag: torch.Tensor) -> torch.Tensor:
+        """Each rank checked only its own gradient shard: a non-finite value anywhere is
+        every rank's (one scalar all-reduce)."""
+        if self.shards:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
+    def optimizer_overrides(self, optimizer_cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """torch 2.13's fused SGD kernel has no DTensor rule (AdamW's has): SGD runs its
+        foreach kernels on the shards (non-finite steps are then skipped after a host read)."""
+        if self.shards and optimizer_cfg.get("fused") and optimizer_cfg["_target_"] in NO_FUSED:
+            log.info("strategy=fsdp: %s runs unfused on the shards", optimizer_cfg["_target_"])
+            return {"fused": False}
+        return {}
+
+    # Also on one rank: the optimizer's state then keeps FSDP's form (keyed by parameter
+    # name), so a checkpoint moves between one rank and several.
+    def model_state(self, module: nn.Module) -> Any:
+        return ShardedModule(module)
+
+    def optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> Any:
+        return ShardedOptimizer(module, optimizer)
+
+    def load_weights(self, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        if self.shards:
+            set_model_state_dict(module, dict(state), options=SCATTERED)
+        else:
+            module.load_state_dict(state)
+
+
+def gathered() -> StateDictOptions:
+    """Whole tensors gathered to rank 0, on the host: what a checkpoint saves (one process
+    has nothing to gather from)."""
+    return StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
+
+
+def class_names(module: nn.Module) -> tuple[str, str]:
+    kind = type(module)
+    return kind.__name__, f"{kind.__module__}.{kind.__qualname__}"
+
+
+def blocks(module: nn.Module, names: Iterable[str]) -> list[nn.Module]:
+    """The submodules whose class is one of `names` (outermost first; none inside another)."""
+    wanted = set(names)
+    found: list[nn.Module] = []
+    inside: set[int] = set()  # ids of the modules under a block already found
+    for sub in module.modules():
+        if sub is not module and id(sub) not in inside and wanted & set(class_names(sub)):
+            found.append(sub)
+            inside.update(id(under) for under in sub.modules())
+    return found
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(module: nn.Module) -> Iterator[None]:
+    assert isinstance(module, FSDPModule)
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+class ShardedModule:
+    """A sharded module's weights as whole tensors (a collective: every rank calls it; rank 0
+    gets them, on the host), loaded back into any number of ranks' shards."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.module, options=gathered())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.module, state, options=SCATTERED)
+
+
+class ShardedOptimizer:
+    """The optimizer's state as whole tensors keyed by parameter name (collective, as above)."""
+
+    def __init__(self, module: nn.Module, optimizer: Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.module, self.optimizer, options=gathered())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.module, self.optimizer, state, options=SCATTERED)

@@ -1,0 +1,58 @@
+"""Resume on another number of ranks: 2 -> 1 -> 3 ranks continue the run that stayed on 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.storage.run_dir import RunDir
+from tests.conftest import TINY, make_cfg, read_metrics, train_in_process, train_losses
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+# One global batch of 12 on every leg (2 x 6, 1 x 12, 3 x 4): each step then sees the same 12
+# samples of the epoch's global order, so the legs reproduce the uninterrupted run's losses.
+# No dropout or augmentation: per-rank RNG streams, which cannot carry over, draw nothing.
+BASE = (*TINY, "model=mlp", "scheduler=constant", "checkpoint.every=6", "optimizer.fused=false")
+LEGS = [(2, 6, 6), (1, 12, 12), (3, 4, 18)]  # (ranks, per-rank batch, last step)
+
+
+def leg(ranks: int, batch: int, steps: int, strategy: str, run_dir: Path, *extra: str) -> dict:
+    cfg = make_cfg(
+        *BASE,
+        f"strategy={strategy}",
+        f"launcher.nproc_per_node={ranks}",
+        f"data.batch_size={batch}",
+        f"trainer.max_steps={steps}",
+        *extra,
+    )
+    return train_in_process(cfg, run_dir)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_then_one_then_three_ranks_continue_the_two_rank_run(tmp_path, strategy):
+    leg(2, 6, 18, strategy, tmp_path / "straight")
+    losses, previous = [], None
+    for index, (ranks, batch, steps) in enumerate(LEGS):
+        run_dir = tmp_path / f"leg{index}"
+        resume = () if previous is None else (f"checkpoint.resume={previous}",)
+        summary = leg(ranks, batch, steps, strategy, run_dir, *resume)
+        assert summary["steps"] == steps and summary["world_size"] == ranks
+        events = [e for e in read_metrics(run_dir) if "train/loss" in e]
+        assert [e["step"] for e in events] == list(range(steps - 5, steps + 1))
+        if previous is not None:  # the change is announced: RNG streams cannot carry over
+            announced = f"written by {LEGS[index - 1][0]} ranks, on {ranks}: the model and optim"
+            assert announced in RunDir(run_dir).log.read_text()
+        losses += train_losses(run_dir)
+        previous = run_dir / "checkpoints" / "last.pt"
+    # Model and optimizer (momentum) resharded, the data continued from the global position.
+    torch.testing.assert_close(losses, train_losses(tmp_path / "straight"), rtol=1e-5, atol=1e-6)
+    expected, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "leg2")
+    for name, tensor in expected.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
