@@ -3,11 +3,12 @@ hand-written torchrun loop and Lightning, each started as a whole command, alter
 round (A B C, B C A, ...). The pooled `overhead` benchmark calls the per-rank entry point in
 long-lived processes instead; this one pays everything a user pays.
 
-    uv run --group bench python -m benchmarks command [--rounds 6] [--steps 140]
+    uv run --group bench python -m benchmarks command [--rounds 4] [--steps 60]
 
 Measured, as the median and the spread (min-max, as +- % of the median) of each side:
-- throughput: steady samples/s after warm-up, small CNN on 32x32 images, 2 gloo ranks, one
-  thread each, batch 64 per rank (benchmarks/plain_loop_torchrun.py, lightning_command.py);
+- throughput: steady samples/s after warm-up, small CNN on 16x16 images (`--image-size`), 2
+  gloo ranks, one thread each, batch 64 per rank (benchmarks/plain_loop_torchrun.py,
+  lightning_command.py);
 - the whole command of that short job, from start to exit;
 - each further job of a local sweep: `train -m optimizer.lr=a,b,c` against a 1-job sweep, per
   job, next to the peers' whole command for one more job (they start one command per job);
@@ -60,7 +61,12 @@ def commands(work: Work, scratch: Path) -> dict[str, list[str]]:
     """Every measured command, by contender name."""
     plain = [*torchrun(), str(REPO / "benchmarks" / "plain_loop_torchrun.py")]
     lightning = [sys.executable, str(REPO / "benchmarks" / "lightning_command.py")]
-    short = Work(model=work.model, steps=SWEEP_STEPS // 2, warmup=SWEEP_STEPS // 2)
+    short = Work(
+        model=work.model,
+        steps=SWEEP_STEPS // 2,
+        warmup=SWEEP_STEPS // 2,
+        image_size=work.image_size,
+    )
     found = {
         "train": [TRAIN, *work.overrides(2), "data.in_channels=3", f"hydra.run.dir={scratch}"],
         "plain torchrun": [*plain, *script_args(work)],
@@ -133,10 +139,11 @@ def spread(values: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks command", description=__doc__)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=140, help="measured steps, after 20")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=60, help="measured steps, after 20")
+    parser.add_argument("--image-size", type=int, default=16)
     args = parser.parse_args(argv)
-    work = Work(model="cnn", steps=args.steps, warmup=20, batch_size=64, image_size=32)
+    work = Work(model="cnn", steps=args.steps, warmup=20, batch_size=64, image_size=args.image_size)
     root = Path(tempfile.mkdtemp(prefix="command-bench-"))
     names = list(commands(work, root))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
