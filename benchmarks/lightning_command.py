@@ -6,22 +6,18 @@ starts the second rank itself. No validation, checkpointing or progress bar; a C
     python benchmarks/lightning_command.py --steps 160
 """
 
-import argparse
 import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader, TensorDataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plain_loop_torchrun import small_cnn  # noqa: E402  (the same model, beside this file)
+from plain_loop_torchrun import random_images, small_cnn, work_arguments  # (beside this script)
+from torch.utils.data import DataLoader
 
 
 class Timer(L.Callback):
@@ -54,18 +50,9 @@ class Classifier(L.LightningModule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=160)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    args = parser.parse_args()
+    args = work_arguments()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    torch.manual_seed(0)
-    samples = args.steps * args.batch_size * 2
-    images = torch.randn(samples, 3, args.image_size, args.image_size)
-    data = TensorDataset(images, torch.randint(0, 10, (samples,)))
+    data = random_images(args, world=2)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
     timer = Timer(args.warmup, args.steps)
     trainer = L.Trainer(

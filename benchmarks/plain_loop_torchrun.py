@@ -20,9 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-def small_cnn(width: int = 32, classes: int = 10) -> nn.Module:
+def small_cnn(in_channels: int = 3, width: int = 32, classes: int = 10) -> nn.Module:
+    """framework.components.models.SmallCNN's layers, written with nothing but torch."""
     return nn.Sequential(
-        nn.Conv2d(3, width, 3, padding=1),
+        nn.Conv2d(in_channels, width, 3, padding=1),
         nn.ReLU(),
         nn.Conv2d(width, 2 * width, 3, padding=1),
         nn.ReLU(),
@@ -35,21 +36,31 @@ def small_cnn(width: int = 32, classes: int = 10) -> nn.Module:
     )
 
 
-def main() -> None:
+def work_arguments() -> argparse.Namespace:
+    """The work, as benchmarks/command.py passes it (to this script and to Lightning's)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
-    args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
+    return parser.parse_args()
+
+
+def random_images(args: argparse.Namespace, world: int) -> TensorDataset:
+    """Enough random 3-channel images and labels for every step of every rank."""
     torch.manual_seed(0)
     samples = args.steps * args.batch_size * world
     images = torch.randn(samples, 3, args.image_size, args.image_size)
-    data = TensorDataset(images, torch.randint(0, 10, (samples,)))
+    return TensorDataset(images, torch.randint(0, 10, (samples,)))
+
+
+def main() -> None:
+    args = work_arguments()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    data = random_images(args, world)
     loader = DataLoader(
         data, batch_size=args.batch_size, sampler=DistributedSampler(data), drop_last=True
     )

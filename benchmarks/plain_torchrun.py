@@ -17,8 +17,8 @@ import torch
 import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.nn.functional as F
+from plain_loop_torchrun import small_cnn  # beside this script: the same layers
 from sklearn.datasets import load_digits
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -32,19 +32,7 @@ def main() -> None:
     images = (torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0 - 0.5) / 0.5
     data = TensorDataset(images, torch.tensor(digits.target))
     loader = DataLoader(data, batch_size=32, sampler=DistributedSampler(data), drop_last=True)
-    width = 32
-    model = nn.Sequential(
-        nn.Conv2d(1, width, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(2 * width, 2 * width, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(2 * width, 10),
-    )
+    model = small_cnn(in_channels=1)
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     inputs, targets = next(iter(loader))

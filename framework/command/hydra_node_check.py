@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra._internal.utils import create_automatic_config_search_path, get_args_parser
+from hydra._internal.utils import create_automatic_config_search_path
 from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import CONF_DIR
 from framework.config.registry import register_configs
-from framework.core.allowlist import check_hydra_node, trusted_prefixes
+from framework.core.allowlist import check_hydra_node, parsed_arguments, trusted_prefixes
 
 APP_FILE = Path(__file__).resolve().parents[1] / "train.py"  # where @hydra.main is
 
@@ -31,7 +31,7 @@ APP_FILE = Path(__file__).resolve().parents[1] / "train.py"  # where @hydra.main
 def check_composed_hydra_node(argv: list[str]) -> None:
     """Raise ConfigError when a composed Hydra node (the run's, or any sweep job's) names code
     that is not allowed. Compositions Hydra will refuse itself are left to Hydra."""
-    args = _parsed(argv)
+    args = parsed_arguments(argv)
     if args is None or args.overrides is None:
         return
     register_configs()  # the schemas the YAML files extend (train.py registers them too)
@@ -40,19 +40,6 @@ def check_composed_hydra_node(argv: list[str]) -> None:
         hydra_node = OmegaConf.to_container(cfg.hydra, resolve=False)
         assert isinstance(hydra_node, dict)
         check_hydra_node(hydra_node, trusted_prefixes(cfg))
-
-
-def _parsed(argv: list[str]) -> argparse.Namespace | None:
-    parser = get_args_parser()
-
-    def refuse(message: str) -> None:
-        raise ValueError(message)
-
-    parser.error = refuse  # type: ignore[method-assign]  (Hydra reports bad arguments itself)
-    try:
-        return parser.parse_args(argv)
-    except ValueError:
-        return None
 
 
 def _search_path(args: argparse.Namespace):  # noqa: ANN202  (Hydra's ConfigSearchPathImpl)

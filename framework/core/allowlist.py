@@ -12,6 +12,7 @@ callback of ours runs, so it is checked before Hydra starts: on the command line
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import re
 import sysconfig
@@ -326,8 +327,8 @@ def parse_overrides(lines: list[str]) -> list[Any]:
         return []
 
 
-def parse_command_line(argv: list[str]) -> tuple[list[Any], str | None]:
-    """Hydra's own parsing of argv: (overrides, --experimental-rerun file)."""
+def parsed_arguments(argv: list[str]) -> argparse.Namespace | None:
+    """Hydra's own parsing of argv; None for arguments Hydra refuses itself, running nothing."""
     parser = get_args_parser()
 
     def refuse(message: str) -> None:
@@ -335,8 +336,15 @@ def parse_command_line(argv: list[str]) -> tuple[list[Any], str | None]:
 
     parser.error = refuse  # type: ignore[method-assign]  (no usage text and exit from us)
     try:
-        args = parser.parse_args(argv)
+        return parser.parse_args(argv)
     except ValueError:  # Hydra reports it and stops before running anything
+        return None
+
+
+def parse_command_line(argv: list[str]) -> tuple[list[Any], str | None]:
+    """Hydra's own parsing of argv: (overrides, --experimental-rerun file)."""
+    args = parsed_arguments(argv)
+    if args is None:
         return [], None
     return parse_overrides(args.overrides), args.experimental_rerun
 
