@@ -3,9 +3,10 @@
 
 One small object per option, built from `strategy=<option>` by `_target_`. The loop asks it
 four things: wrap the model, accumulate without synchronising, agree on a per-step flag that
-only one rank's shard may raise, and hand out the states a checkpoint saves. What a checkpoint
-holds is the same for both: whole tensors under the bare model's keys (FSDP gathers them to
-rank 0, and slices them again on load), so a checkpoint loads on any number of ranks.
+only one rank's shard may raise, and hand out the states a checkpoint saves. Those states
+give whole tensors under the bare model's keys (FSDP gathers them to rank 0, and slices them
+again on load) for a one-file checkpoint, or each rank's own shards for a sharded one
+(checkpoint.format); either loads on any number of ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from framework.config.schemas import FSDPConfig
 from framework.core.distributed import wrap_ddp
 from framework.core.exits import ConfigError
 from framework.core.launch_context import DistEnv
+from framework.storage.sharded import ShardedState
 
 log = logging.getLogger("framework")
 
@@ -87,14 +89,17 @@ class DDP:
 
     def model_state(self, module: nn.Module) -> Any:
         """The Stateful a checkpoint saves a module's weights through."""
-        return module
+        return WholeModule(module)
 
     def optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> Any:
-        return optimizer
+        return WholeOptimizer(module, optimizer)
 
-    def load_weights(self, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-        """Whole tensors (a checkpoint's) into the module."""
-        module.load_state_dict(state)
+    def load_weights(
+        self, module: nn.Module, state: Mapping[str, torch.Tensor] | ShardedState
+    ) -> None:
+        """A checkpoint's weights (whole tensors, or a sharded checkpoint's) into the module.
+        Collective when ranks are."""
+        self.model_state(module).load_state_dict(state)
 
 
 class FSDP(DDP):
@@ -195,12 +200,6 @@ class FSDP(DDP):
     def optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> Any:
         return ShardedOptimizer(module, optimizer)
 
-    def load_weights(self, module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-        if self.shards:
-            set_model_state_dict(module, dict(state), options=SCATTERED)
-        else:
-            module.load_state_dict(state)
-
 
 def gathered() -> StateDictOptions:
     """Whole tensors gathered to rank 0, on the host: what a checkpoint saves (one process
@@ -235,9 +234,50 @@ def _gradient_sync_off(module: nn.Module) -> Iterator[None]:
         module.set_requires_gradient_sync(True)
 
 
+class WholeModule:
+    """A replicated module's weights: state_dict() on rank 0 for a one-file checkpoint,
+    shard_state_dict() on every rank for a sharded one (DCP writes a replicated tensor once)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any] | ShardedState) -> None:
+        if isinstance(state, ShardedState):  # read into the module's own tensors
+            state = state.load(self.module.state_dict())
+        self.module.load_state_dict(state)
+
+
+class WholeOptimizer:
+    """A replicated optimizer's state: its own state_dict() in a one-file checkpoint (keyed by
+    parameter index), keyed by parameter name in a sharded one."""
+
+    def __init__(self, module: nn.Module, optimizer: Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: Mapping[str, Any] | ShardedState) -> None:
+        if isinstance(state, ShardedState):
+            own = get_optimizer_state_dict(self.module, self.optimizer)  # allocates the state
+            set_optimizer_state_dict(self.module, self.optimizer, state.load(own))
+        else:
+            self.optimizer.load_state_dict(state)
+
+
 class ShardedModule:
-    """A sharded module's weights as whole tensors (a collective: every rank calls it; rank 0
-    gets them, on the host), loaded back into any number of ranks' shards."""
+    """A sharded module's weights: whole tensors gathered to rank 0, on the host (a collective:
+    every rank calls it) for a one-file checkpoint, or each rank's shards (DTensors) for a
+    sharded one; either loads back into any number of ranks' shards."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -245,12 +285,20 @@ class ShardedModule:
     def state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.module, options=gathered())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.module, state, options=SCATTERED)
+    def shard_state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state: Mapping[str, Any] | ShardedState) -> None:
+        if isinstance(state, ShardedState):
+            own = state.load(get_model_state_dict(self.module))
+            set_model_state_dict(self.module, own, options=StateDictOptions(strict=True))
+        else:
+            set_model_state_dict(self.module, dict(state), options=SCATTERED)
 
 
 class ShardedOptimizer:
-    """The optimizer's state as whole tensors keyed by parameter name (collective, as above)."""
+    """The optimizer's state keyed by parameter name: whole tensors (collective, as above) or
+    each rank's shards."""
 
     def __init__(self, module: nn.Module, optimizer: Optimizer) -> None:
         self.module, self.optimizer = module, optimizer
@@ -258,5 +306,12 @@ class ShardedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         return get_optimizer_state_dict(self.module, self.optimizer, options=gathered())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.module, self.optimizer, state, options=SCATTERED)
+    def shard_state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: Mapping[str, Any] | ShardedState) -> None:
+        if isinstance(state, ShardedState):
+            own = state.load(get_optimizer_state_dict(self.module, self.optimizer))
+            set_optimizer_state_dict(self.module, self.optimizer, own)
+        else:
+            set_optimizer_state_dict(self.module, self.optimizer, dict(state), options=SCATTERED)

@@ -55,6 +55,12 @@ class Mode(StrEnum):
     eval = "eval"  # evaluate checkpoint.resume on eval.split, without training
 
 
+class CheckpointFormat(StrEnum):
+    auto = "auto"  # sharded under strategy=fsdp, file under strategy=ddp
+    file = "file"  # step_<N>.pt: whole tensors, written by rank 0
+    sharded = "sharded"  # step_<N>.dcp/: each rank writes its own shards (DCP)
+
+
 class Split(StrEnum):
     val = "val"
     test = "test"
@@ -637,6 +643,10 @@ class CheckpointConfig:
     # Keep the best K checkpoints by the objective (at every evaluation) in checkpoints/best/,
     # best.pt -> the best; 0: off. A data option with a test split is tested with the best.
     best: int = 0
+    format: CheckpointFormat = CheckpointFormat.auto
+    # sharded only: periodic saves copy the shards to host memory and write them in the
+    # background while the next steps train (sealed, and linked as last.pt, once written).
+    async_save: bool = False
 
 
 @dataclass

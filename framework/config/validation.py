@@ -69,7 +69,7 @@ def validate(cfg: DictConfig) -> None:
     check_target_keys(cfg)  # (after the allowlist: it imports the targets)
     _check_mode(cfg)
     _check_trainer(cfg.trainer)
-    _check_checkpoint(cfg.checkpoint)
+    _check_checkpoint(cfg.checkpoint, sharded_checkpoints(cfg))
     nproc = cfg.launcher.nproc_per_node
     require(
         nproc >= 1,
@@ -221,14 +221,29 @@ def _check_trainer(t: DictConfig) -> None:
     )
 
 
-def _check_checkpoint(ck: DictConfig) -> None:
+def sharded_checkpoints(cfg: DictConfig) -> bool:
+    """checkpoint.format resolved: auto is sharded under strategy=fsdp."""
+    chosen = cfg.checkpoint.format
+    if chosen == s.CheckpointFormat.auto:
+        return cfg.strategy._target_ == s.FSDPConfig._target_
+    return chosen == s.CheckpointFormat.sharded
+
+
+def _check_checkpoint(ck: DictConfig, sharded: bool) -> None:
     require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0 = final only)")
     require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
     require(ck.best >= 0, f"checkpoint.best={ck.best} must be >= 0 (0: off)")
+    require(
+        sharded or not ck.async_save,
+        "checkpoint.async_save=true writes sharded checkpoints in the background, and this run "
+        "writes one file from rank 0: add checkpoint.format=sharded (the default under "
+        "strategy=fsdp)",
+    )
     if ck.resume not in ("auto", "never"):
+        path = Path(ck.resume).expanduser()
         require(
-            Path(ck.resume).expanduser().is_file(),
-            f"checkpoint.resume={ck.resume} is not a file: give a checkpoint file "
+            path.is_file() or (path / ".metadata").is_file(),  # DCP's index: a sharded one
+            f"checkpoint.resume={ck.resume} is no checkpoint: give a checkpoint file or folder "
             "(<run dir>/checkpoints/last.pt), auto or never",
         )
 

@@ -33,7 +33,7 @@ from framework.components.precision import Precision
 from framework.components.tasks import Task, first_batch
 from framework.config.redaction import redacted_container
 from framework.config.settings import training_settings
-from framework.config.validation import resolve_monitor, resolve_objective
+from framework.config.validation import resolve_monitor, resolve_objective, sharded_checkpoints
 from framework.core import startup_clock
 from framework.core.distributed import (
     broadcast_object,
@@ -133,7 +133,9 @@ def _train(
     # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
     # key still resumes).
     record = redacted_container(cfg)
-    checkpointer = Checkpointer(cfg.checkpoint, run.checkpoints, env, training_settings(record))
+    checkpointer = Checkpointer(
+        cfg.checkpoint, run.checkpoints, env, training_settings(record), sharded_checkpoints(cfg)
+    )
     resumed = checkpointer.find_resume()
     if resumed and is_complete(resumed[1], total_steps) and run.summary.exists():
         log.info(
@@ -194,6 +196,7 @@ def _train(
             try_plot(plot_run, run.path)
             sink.add_files([*made, run.curves] if run.curves.exists() else made)
     finally:
+        checkpointer.close()
         sink.close()
     if not env.is_main:
         return None

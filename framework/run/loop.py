@@ -112,12 +112,14 @@ class Runner:
         self.position = LoaderPosition(loaders.train.generator)
         self.strategy = strategy = model.strategy
         self.states = StateRegistry(
-            shared={  # whole on rank 0 (gathered there under strategy=fsdp): rank 0's is saved
+            tensors={  # whole from rank 0 (gathered there under fsdp), or each rank's shards
                 "model": strategy.model_state(model.module),
                 "optimizer": strategy.optimizer_state(model.module, self.optimizer),
+                "ema": None if model.ema is None else strategy.model_state(model.ema.module),
+            },
+            shared={  # the same on every rank: rank 0's is saved
                 "scheduler": self.scheduler,
                 "precision": self.precision,
-                "ema": None if model.ema is None else strategy.model_state(model.ema.module),
                 "trainer": FlatStates(self.state, selection),
             },
             per_rank={
@@ -142,6 +144,7 @@ class Runner:
             raise Stopped(stop_signal, self.state.step, path and str(path))
         if final_save:
             self.save_checkpoint()
+        self.checkpointer.finish_pending()  # a background save's failure ends the run here
         self.check_replicas_agree()
         final = self.final_evaluation()
         return self.summary({**final, **self.test()}, wall_s=time.perf_counter() - started)
@@ -421,6 +424,14 @@ class Runner:
     def save_checkpoint(self, best: tuple[float, bool] | None = None) -> Path:
         """Collective. `best`: (score, maximize) saves among the best checkpoints instead."""
         self.look_for_nonfinite()
+        if self.checkpointer.sharded:
+            return self.checkpointer.save_sharded(
+                self.state.step,
+                self.states.shard_state_dicts(),
+                lambda: {**self.states.small_state_dict(), "steps_per_epoch": self.steps_per_epoch},
+                self.states.rank_state_dict(),
+                best=best,
+            )
 
         # Built on rank 0 only, unless the states are gathered there (a collective).
         built = self.states.shared_state_dict() if self.strategy.shards else None

@@ -1,8 +1,10 @@
 """What a checkpoint saves and restores: the run's stateful parts and the registry of them.
 
-A checkpoint holds two kinds of state (torchtitan's `states={...}` registry):
-- shared: identical on every rank (model, optimizer, scheduler, precision, EMA, the trainer's
-  counters); rank 0's copy is saved.
+A checkpoint holds three kinds of state (torchtitan's `states={...}` registry):
+- tensors: the model, optimizer and EMA. Whole tensors from rank 0 in a one-file checkpoint
+  (gathered there under strategy=fsdp); each rank's own shards in a sharded one.
+- shared: identical on every rank (scheduler, precision, the trainer's counters); rank 0's copy
+  is saved.
 - per rank: what differs between ranks (RNG streams, the loader's position, comm-hook memory,
   the log window); every rank's copy is saved, in rank order.
 A new stateful component is one entry in the registry the Runner builds.
@@ -135,20 +137,41 @@ class LoaderPosition:
         self._restored = state
 
 
+class TensorState(Stateful, Protocol):
+    def shard_state_dict(self) -> dict[str, Any]: ...
+
+
 class StateRegistry:
-    """The states a checkpoint holds, by the key each is saved under. A shared entry may be None
-    (no EMA): it is saved as None and skipped on load."""
+    """The states a checkpoint holds, by the key each is saved under. A tensor or shared entry
+    may be None (no EMA): it is saved as None and skipped on load."""
 
     def __init__(
-        self, shared: Mapping[str, Stateful | None], per_rank: Mapping[str, Stateful]
+        self,
+        tensors: Mapping[str, TensorState | None],
+        shared: Mapping[str, Stateful],
+        per_rank: Mapping[str, Stateful],
     ) -> None:
-        self.shared, self.per_rank = dict(shared), dict(per_rank)
+        self.tensors, self.per_rank = dict(tensors), dict(per_rank)
+        self.shared: dict[str, Stateful | None] = {**self.tensors, **shared}  # loaded in order
+        self.small = dict(shared)
 
     def shared_state_dict(self) -> dict[str, Any]:
-        """Built on rank 0 only: the other ranks' copies are the same."""
+        """A one-file checkpoint's states, whole. Built on rank 0 only (unless gathering the
+        tensors there is a collective): the other ranks' copies are the same."""
         return {
             key: None if item is None else item.state_dict() for key, item in self.shared.items()
         }
+
+    def shard_state_dicts(self) -> dict[str, Any]:
+        """A sharded checkpoint's tensors: this rank's own part of each (every rank calls it)."""
+        return {
+            key: None if item is None else item.shard_state_dict()
+            for key, item in self.tensors.items()
+        }
+
+    def small_state_dict(self) -> dict[str, Any]:
+        """A sharded checkpoint's other shared states (rank 0's)."""
+        return {key: item.state_dict() for key, item in self.small.items()}
 
     def rank_state_dict(self) -> dict[str, Any]:
         return {key: item.state_dict() for key, item in self.per_rank.items()}

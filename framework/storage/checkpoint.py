@@ -1,10 +1,13 @@
 """Checkpoints: rank 0 writes one file per save, holding every rank's own state; all ranks read it.
+With checkpoint.format=sharded (the default under strategy=fsdp) every rank writes its own
+shards instead, into a step_<N>.dcp folder (sharded.py); the rest of this module treats both
+alike.
 
 <run dir>/checkpoints/
     step_00000120.pt    torch.save'd dict; `torch.load(path, weights_only=True)["model"]` is the
                         bare model's state_dict, so one process can load it for inference
     step_00000120.json  size and sha256 of the .pt, written once the .pt is durable
-    last.pt             symlink to the newest
+    last.pt             symlink to the newest (a step_*.pt file or a step_*.dcp folder)
 
 A save is a temporary file, fsync, rename (and the same for the sidecar and the link), so a kill
 at any moment leaves the previous checkpoint valid. Reads always use weights_only=True: a file
@@ -21,6 +24,8 @@ import os
 import pickle
 import random
 import re
+import shutil
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,11 +38,14 @@ from omegaconf import DictConfig
 from framework.core.distributed import broadcast_object
 from framework.core.exits import CheckpointError, SaveFailed
 from framework.core.launch_context import DistEnv
+from framework.storage import sharded
+from framework.storage.sharded import ShardedState
 
 log = logging.getLogger("framework")
 
 FORMAT = "framework-checkpoint/1"
-STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+STEP_FILE = re.compile(r"^step_(\d+)\.(?:pt|dcp)$")
+SHARDED_FORMAT = "framework-checkpoint/1+dcp"  # a step_*.dcp folder's sidecar
 
 
 # --- what a checkpoint must match ----------------------------------------------------------
@@ -61,15 +69,20 @@ def _shorten(items: list[str], limit: int = 6) -> str:
     return "; ".join(items[:limit]) + more
 
 
-def check_model_keys(path: Path, saved: Mapping[str, torch.Tensor], model: torch.nn.Module) -> None:
+def check_model_keys(
+    path: Path, saved: Mapping[str, torch.Tensor] | ShardedState, model: torch.nn.Module
+) -> None:
     """One error listing every mismatched key, instead of load_state_dict's first failure."""
-    expected = model.state_dict()
+    saved = (
+        saved.shapes if isinstance(saved, ShardedState) else {k: v.shape for k, v in saved.items()}
+    )
+    expected = {key: value.shape for key, value in model.state_dict().items()}
     missing = sorted(expected.keys() - saved.keys())
     unexpected = sorted(saved.keys() - expected.keys())
     reshaped = sorted(
-        f"{k} {tuple(saved[k].shape)} vs {tuple(expected[k].shape)}"
+        f"{k} {tuple(saved[k])} vs {tuple(expected[k])}"
         for k in expected.keys() & saved.keys()
-        if saved[k].shape != expected[k].shape
+        if tuple(saved[k]) != tuple(expected[k])
     )
     problems = [
         f"{label}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
@@ -142,7 +155,7 @@ def _sha256(path: Path) -> str:
 
 
 def step_files(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step_*.pt, newest first."""
+    """(step, path) of every step_*.pt file and step_*.dcp folder, newest first."""
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_FILE.match(p.name))]
@@ -174,17 +187,44 @@ def _point(link: Path, target: str) -> None:
 
 
 def _drop(path: Path) -> None:
-    path.unlink(missing_ok=True)
+    """A checkpoint of ours (a step_* file or folder in checkpoints/) and its sidecar."""
     path.with_suffix(".json").unlink(missing_ok=True)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _seal(partial: Path, step: int, **sidecar: Any) -> Path:
+    """A complete sharded save (`partial`: DCP's files and state.pt) becomes step_<N>.dcp in
+    one rename, then its sidecar lists every file's size and sha256."""
+    final = partial.parent / f"step_{step:08d}{sharded.SUFFIX}"
+    _fsync_dir(partial)
+    if final.exists():  # the same step saved again (a resumed run's final save)
+        _drop(final)
+    os.replace(partial, final)
+    _fsync_dir(final.parent)
+    files = {
+        item.name: {"bytes": item.stat().st_size, "sha256": _sha256(item)}
+        for item in sorted(final.iterdir())
+    }
+    record = {"format": SHARDED_FORMAT, "step": step, "files": files, **sidecar}
+    atomic_write(final.with_suffix(".json"), lambda f: f.write(json.dumps(record).encode()))
+    return final
 
 
 def write(directory: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
     """Save atomically, point last.pt at it, then drop all but the newest `keep`."""
     path = _save(directory, step, payload)
+    _publish(directory, path, keep)
+    return path
+
+
+def _publish(directory: Path, path: Path, keep: int) -> None:
+    """last.pt -> `path`; all but the newest `keep` checkpoints dropped."""
     _point(directory / "last.pt", path.name)
     for _, old in step_files(directory)[keep:]:
         _drop(old)
-    return path
 
 
 def write_best(
@@ -193,6 +233,11 @@ def write_best(
     """Save into <directory>/best/ with its score, keep the `keep` best, and point best.pt at
     the best of them."""
     path = _save(directory / "best", step, payload, score=score)
+    _publish_best(directory, maximize, keep)
+    return path
+
+
+def _publish_best(directory: Path, maximize: bool, keep: int) -> None:
     ranked = sorted(
         step_files(directory / "best"),
         reverse=maximize,
@@ -201,33 +246,82 @@ def write_best(
     for _, worse in ranked[keep:]:
         _drop(worse)
     _point(directory / "best.pt", f"best/{ranked[0][1].name}")
-    return path
 
 
 def _score(path: Path, maximize: bool) -> float:
     """A best checkpoint's score; one whose sidecar is damaged ranks last (it is dropped first)."""
     try:
-        return float(_read_sidecar(path.with_suffix(".json"))["score"])
-    except (CheckpointError, KeyError, TypeError, ValueError):
+        return float(json.loads(path.with_suffix(".json").read_text())["score"])
+    except (OSError, KeyError, TypeError, ValueError):
         return -math.inf if maximize else math.inf
 
 
 def read(path: Path) -> dict[str, Any]:
-    """Load and verify one checkpoint; CheckpointError names the file and what is wrong."""
+    """Load and verify one checkpoint (a file, or a sharded checkpoint's folder); CheckpointError
+    names it and what is wrong. A sharded checkpoint's model, optimizer and EMA entries are
+    ShardedStates: each rank loads its own slices from them."""
     path = Path(path)
+    if path.is_dir():
+        return _read_sharded(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     sidecar = path.resolve().with_suffix(".json")
     if sidecar.is_file():  # absent for a file copied on its own: torch.load still checks it
         expected = _read_sidecar(sidecar)
-        size = path.stat().st_size
-        if size != expected["bytes"] or _sha256(path) != expected["sha256"]:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupted or truncated ({size} bytes, checksum does not "
-                f"match {sidecar.name})"
-            )
+        _check_file(path, expected["bytes"], expected["sha256"], sidecar)
+    payload = _load_payload(path)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a checkpoint written by this framework")
+    return payload
+
+
+def _check_file(path: Path, size: int, sha256: str, sidecar: Path) -> None:
+    actual = path.stat().st_size if path.is_file() else -1
+    if actual != size or _sha256(path) != sha256:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted or truncated ({max(actual, 0)} bytes, checksum "
+            f"does not match {sidecar.name})"
+        )
+
+
+def _read_sharded(folder: Path) -> dict[str, Any]:
+    """A step_*.dcp folder: every file checked against the sidecar (when there is one; DCP's
+    index otherwise), state.pt loaded with weights_only, the shards left where they are."""
+    resolved = folder.resolve()
+    sidecar = resolved.with_suffix(".json")
+    if sidecar.is_file():
+        files = _read_sharded_sidecar(sidecar)
+        for name, entry in files.items():
+            _check_file(resolved / name, entry["bytes"], entry["sha256"], sidecar)
+    if not (resolved / sharded.STATE_FILE).is_file():
+        raise CheckpointError(f"{folder} is not a checkpoint written by this framework")
+    sharded.check_index(resolved)
+    payload = _load_payload(resolved / sharded.STATE_FILE)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{folder} is not a checkpoint written by this framework")
+    for key, skeleton in payload.pop("sharded").items():
+        payload[key] = None if skeleton is None else ShardedState(resolved, key, skeleton)
+    return payload
+
+
+def _read_sharded_sidecar(sidecar: Path) -> dict[str, Any]:
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        record = json.loads(sidecar.read_text())
+        files = record["files"]
+        if not all(
+            isinstance(e["bytes"], int) and isinstance(e["sha256"], str) for e in files.values()
+        ):
+            raise TypeError("entries without size or checksum")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"checkpoint sidecar {sidecar} is damaged ({error})") from None
+    if any("/" in name or name in ("", ".", "..") for name in files):
+        raise CheckpointError(f"checkpoint sidecar {sidecar} is damaged (a path in its list)")
+    return files
+
+
+def _load_payload(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         reason = next((line for line in str(error).splitlines() if "GLOBAL" in line), "")
         raise CheckpointError(
@@ -240,9 +334,6 @@ def read(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} is unreadable (empty, truncated or corrupted: {first_line})"
         ) from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a checkpoint written by this framework")
-    return payload
 
 
 def _read_sidecar(sidecar: Path) -> dict[str, Any]:
@@ -281,17 +372,31 @@ def newest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 class Checkpointer:
-    """Saves (gathering every rank's state to rank 0) and finds the checkpoint to resume."""
+    """Saves (gathering every rank's state to rank 0, or each rank writing its shards) and finds
+    the checkpoint to resume."""
 
     def __init__(
-        self, cfg: DictConfig, directory: Path, env: DistEnv, settings: dict[str, str]
+        self,
+        cfg: DictConfig,
+        directory: Path,
+        env: DistEnv,
+        settings: dict[str, str],
+        sharded: bool = False,
     ) -> None:
         self.cfg, self.env = cfg, env
         self.directory = directory
         self.settings = settings
+        self.sharded = sharded  # checkpoint.format, resolved for the strategy
         self.logger_ids: dict[str, str] = {}  # a restart continues these logger runs
         self.last_path: Path | None = None
         self.every = cfg.every  # asked every step: a DictConfig read costs microseconds
+        self.in_background = sharded and cfg.async_save
+        # A background save's collectives run beside training's: on a group of their own.
+        self.group = (
+            dist.new_group(backend="gloo") if self.in_background and env.distributed else None
+        )
+        self._pending: threading.Event | None = None  # set when the background save is sealed
+        self._pending_error: BaseException | None = None
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -305,37 +410,133 @@ class Checkpointer:
     ) -> Path:
         """Collective: every rank calls it at the same step; only rank 0 writes. `best`:
         (score, maximize) saves among the best checkpoints (checkpoint.best) instead."""
+        self.finish_pending()
         states = _gather_to_main(rank_state, self.env)
         if self.env.is_main:
-            payload = {
-                "format": FORMAT,
-                "step": step,
-                "world_size": self.env.world_size,
-                "config_hash": settings_hash(self.settings),
-                "config": self.settings,
-                "logger_ids": self.logger_ids,
-                **shared(),
-                "ranks": states,
-            }
-            try:
-                if best is not None:
-                    path = write_best(self.directory, step, payload, *best, keep=self.cfg.best)
-                    log.info("best checkpoint: step %d (%.6g) -> %s", step, best[0], path)
-                    return path
-                self.last_path = write(self.directory, step, payload, self.cfg.keep)
-            except (OSError, RuntimeError) as error:  # torch.save wraps the OSError
-                cause = _os_error_in(error)
-                if cause is None:
-                    raise
-                earlier = step_files(self.directory)  # (the temporary file is gone)
-                kept = f"{earlier[0][1]} is intact" if earlier else "no earlier one was saved"
-                raise SaveFailed(
-                    f"the checkpoint of step {step} could not be written to {self.directory} "
-                    f"({cause.strerror or cause}); {kept}. Free space (or raise the file-size "
-                    "limit) and run the same command again to resume"
-                ) from None
+            payload = self._payload(step, shared(), states)
+            if best is not None:
+                path = self._guard_save(
+                    step, lambda: write_best(self.directory, step, payload, *best, self.cfg.best)
+                )
+                log.info("best checkpoint: step %d (%.6g) -> %s", step, best[0], path)
+                return path
+            self.last_path = self._guard_save(
+                step, lambda: write(self.directory, step, payload, self.cfg.keep)
+            )
             log.info("checkpoint: step %d -> %s", step, self.last_path)
         return self.directory / f"step_{step:08d}.pt"
+
+    def _payload(self, step: int, shared: dict[str, Any], states: list[Any]) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "step": step,
+            "world_size": self.env.world_size,
+            "config_hash": settings_hash(self.settings),
+            "config": self.settings,
+            "logger_ids": self.logger_ids,
+            **shared,
+            "ranks": states,
+        }
+
+    def save_sharded(
+        self,
+        step: int,
+        shards: dict[str, Any],
+        shared: Callable[[], dict[str, Any]],
+        rank_state: dict,
+        best: tuple[float, bool] | None = None,
+    ) -> Path:
+        """Collective: `shards` (model, optimizer, EMA: this rank's part of each) go to DCP,
+        every rank writing its own; rank 0 writes the rest beside them. With
+        checkpoint.async_save a periodic save returns once the shards are copied to host
+        memory, and is sealed (renamed, listed in its sidecar, linked) when DCP is done."""
+        self.finish_pending()
+        states = _gather_to_main(rank_state, self.env)
+        directory = self.directory / "best" if best else self.directory
+        partial = directory / f".step_{step:08d}{sharded.SUFFIX}.partial"
+        skeletons, tensors = {}, {}
+        for key, state in shards.items():
+            skeletons[key], found = (None, {}) if state is None else sharded.split(state, key)
+            tensors.update(found)
+        if self.env.is_main:
+            payload = {**self._payload(step, shared(), states), "sharded": skeletons}
+            self._guard_save(step, lambda: _start_partial(partial, payload))
+        in_background = self.in_background and best is None
+        future = self._guard_save(
+            step, lambda: sharded.write_shards(partial, tensors, in_background, self.group)
+        )
+        final = directory / f"step_{step:08d}{sharded.SUFFIX}"
+
+        def seal() -> None:
+            if not self.env.is_main:
+                return
+            if best is None:
+                self._guard_save(
+                    step, lambda: _publish(directory, _seal(partial, step), self.cfg.keep)
+                )
+                self.last_path = final
+                log.info("checkpoint: step %d -> %s", step, final)
+                return
+            score, maximize = best
+            self._guard_save(step, lambda: _seal(partial, step, score=score))
+            _publish_best(self.directory, maximize, self.cfg.best)
+            log.info("best checkpoint: step %d (%.6g) -> %s", step, score, final)
+
+        if future is None:
+            seal()
+        else:
+            self._seal_when_written(future, seal)
+        return final
+
+    def _seal_when_written(self, future: Any, seal: Callable[[], None]) -> None:
+        done = threading.Event()
+
+        def on_written(written: Any) -> None:
+            try:
+                written.result()
+                seal()
+            except BaseException as error:  # raised in the training thread, at the next save
+                self._pending_error = error
+            finally:
+                done.set()
+
+        self._pending = done
+        future.add_done_callback(on_written)
+
+    def finish_pending(self) -> None:
+        """Wait for a background save to be sealed (one DCP save at a time, and none may be
+        cut off when the run ends); its failure is raised here."""
+        if self._pending is None:
+            return
+        self._pending.wait()
+        self._pending = None
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """On every way out of a run: a background save still being written is waited for
+        (cut off, its folder would stay partial and the previous checkpoint would be used)."""
+        try:
+            self.finish_pending()
+        except Exception as error:  # the run is already ending with its own error or signal
+            log.error("the last background checkpoint was not saved: %s", error)
+
+    def _guard_save(self, step: int, save: Callable[[], Any]) -> Any:
+        """`save`, with a failed write (disk full) as SaveFailed naming what is still intact."""
+        try:
+            return save()
+        except (OSError, RuntimeError) as error:  # torch.save wraps the OSError
+            cause = _os_error_in(error)
+            if cause is None:
+                raise
+            earlier = step_files(self.directory)
+            kept = f"{earlier[0][1]} is intact" if earlier else "no earlier one was saved"
+            raise SaveFailed(
+                f"the checkpoint of step {step} could not be written to {self.directory} "
+                f"({cause.strerror or cause}); {kept}. Free space (or raise the file-size "
+                "limit) and run the same command again to resume"
+            ) from None
 
     def best_path(self) -> Path | None:
         """best.pt, when checkpoint.best kept one."""
@@ -379,8 +580,11 @@ class Checkpointer:
         return choice, payload
 
     def _choose(self) -> tuple[Path | None, dict[str, Any] | None]:
-        for stale in self.directory.glob(".*.tmp-*"):  # from a save that was killed
-            stale.unlink(missing_ok=True)
+        for folder in (self.directory, self.directory / "best"):  # from saves that were killed
+            for stale in folder.glob(".*.tmp-*"):
+                stale.unlink(missing_ok=True)
+            for stale in folder.glob(f".step_*{sharded.SUFFIX}.partial"):
+                shutil.rmtree(stale, ignore_errors=True)
         if self.cfg.resume == "never":
             return None, None
         if self.cfg.resume != "auto":
@@ -388,6 +592,15 @@ class Checkpointer:
             return path, read(path)
         found = newest_valid(self.directory)
         return found if found else (None, None)
+
+
+def _start_partial(partial: Path, payload: dict[str, Any]) -> None:
+    """The folder a sharded save writes into, holding rank 0's state.pt (a partial left by a
+    save of the same step that was killed is ours, and incomplete: replaced)."""
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    atomic_write(partial / sharded.STATE_FILE, lambda file: torch.save(payload, file))
 
 
 def _os_error_in(error: BaseException | None) -> OSError | None:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from framework.components.strategy import WholeModule, WholeOptimizer
 from framework.run.selection import Selection
 from framework.run.state import (
     FlatStates,
@@ -48,12 +49,12 @@ def parts(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, TrainState, Sele
 def registry(seed: int) -> tuple[StateRegistry, nn.Module, torch.optim.Optimizer]:
     model, optimizer, train_state, selection = parts(seed)
     states = StateRegistry(
-        shared={
-            "model": model,
-            "optimizer": optimizer,
+        tensors={
+            "model": WholeModule(model),
+            "optimizer": WholeOptimizer(model, optimizer),
             "ema": None,
-            "trainer": FlatStates(train_state, selection),
         },
+        shared={"trainer": FlatStates(train_state, selection)},
         per_rank={"loader_generator": LoaderPosition(torch.Generator().manual_seed(seed))},
     )
     return states, model, optimizer

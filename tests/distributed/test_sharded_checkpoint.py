@@ -1,0 +1,167 @@
+"""Sharded checkpoints (checkpoint.format=sharded, the default under strategy=fsdp): every rank
+writes its own shards with torch.distributed.checkpoint, a resume on the same ranks is
+bit-exact, one in the background (checkpoint.async_save) saves the same numbers, and the
+folder keeps a one-file checkpoint's guarantees (atomic, checked on load, never unpickles
+code). Real 2-rank gloo jobs."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from framework.storage.export import whole_weights
+from tests.conftest import TINY, make_cfg, read_metrics, run_cli, train_in_process, train_losses
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+FSDP = (
+    *TINY,
+    "model=mlp",
+    "strategy=fsdp",
+    "scheduler=cosine",
+    "optimizer=adamw",
+    "launcher.nproc_per_node=2",
+    "data.batch_size=8",
+    "checkpoint.every=4",
+    "checkpoint.keep=2",
+)
+
+
+def train(run_dir: Path, steps: int, *extra: str) -> dict:
+    return train_in_process(make_cfg(*FSDP, f"trainer.max_steps={steps}", *extra), run_dir)
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return whole_weights(checkpoint)
+
+
+def test_each_rank_writes_its_shards_and_a_resume_on_the_same_ranks_is_bit_exact(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, 12)
+    train(resumed, 12, "checkpoint.keep=3")
+    for step in (8, 12):  # as if killed after step 7: the newest checkpoint is step 4's
+        shutil.rmtree(resumed / "checkpoints" / f"step_{step:08d}.dcp")
+    train(resumed, 12, "checkpoint.keep=3")
+
+    folder = straight / "checkpoints" / "step_00000012.dcp"
+    assert (straight / "checkpoints" / "last.pt").resolve() == folder
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "state.pt",
+    ]
+    sidecar = json.loads(folder.with_suffix(".json").read_text())
+    assert sorted(sidecar["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    kept = sorted(p.name for p in (straight / "checkpoints").glob("step_*"))
+    assert kept == [
+        "step_00000008.dcp",
+        "step_00000008.json",
+        "step_00000012.dcp",
+        "step_00000012.json",
+    ]
+    # The resumed run continued from step 4 and retrained steps 5-12 to the same numbers.
+    assert "resumed from" in (resumed / "train.log").read_text()
+    assert train_losses(resumed)[-8:] == train_losses(straight)[-8:]
+    expected, got = weights(folder), weights(resumed / "checkpoints" / "last.pt")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_a_background_save_holds_the_numbers_of_its_step(tmp_path):
+    """async_save copies the shards and writes them while the next steps train: the saved
+    step 4 equals a synchronous save's, and a resume from it reproduces the run."""
+    train(tmp_path / "sync", 12)
+    train(tmp_path / "async", 12, "checkpoint.async_save=true", "checkpoint.keep=5")
+    for step in (4, 8, 12):
+        name = f"step_{step:08d}.dcp"
+        sync = weights(tmp_path / "sync" / "checkpoints" / name) if step > 4 else None
+        in_background = weights(tmp_path / "async" / "checkpoints" / name)
+        for key, tensor in (sync or {}).items():
+            assert torch.equal(in_background[key], tensor), (step, key)
+    assert train_losses(tmp_path / "async") == train_losses(tmp_path / "sync")
+    resumed = tmp_path / "from_background"
+    train(
+        resumed,
+        12,
+        f"checkpoint.resume={tmp_path / 'async' / 'checkpoints' / 'step_00000004.dcp'}",
+    )
+    assert train_losses(resumed) == train_losses(tmp_path / "sync")[4:]
+
+
+def test_a_damaged_or_partial_sharded_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, 8)
+    checkpoints = run_dir / "checkpoints"
+    # A save killed mid-way leaves only a partial folder, never a step_* one.
+    partial = checkpoints / ".step_00000010.dcp.partial"
+    shutil.copytree(checkpoints / "step_00000008.dcp", partial)
+    shard = checkpoints / "step_00000008.dcp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-16])  # truncated on disk
+    train(run_dir, 10)
+    log = (run_dir / "train.log").read_text()
+    assert "step_00000008.dcp is corrupted or truncated" in log
+    assert "resumed from" in log and "at step 4" in log
+    assert not partial.exists()
+    assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e][-6:] == list(
+        range(5, 11)
+    )
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (exec, ("open('PWNED', 'w').write('x')",))
+
+
+def test_a_crafted_index_is_refused_and_never_executed(tmp_path):
+    run_dir = tmp_path / "run"
+    train(run_dir, 4)
+    folder = run_dir / "checkpoints" / "step_00000004.dcp"
+    (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    folder.with_suffix(".json").unlink()  # no checksum to stop it first: the index must
+    result = run_cli(
+        *FSDP, "trainer.max_steps=8", f"checkpoint.resume={folder}", cwd=tmp_path / "attack"
+    )
+    assert result.returncode == 2
+    assert "unreadable or unsafe index .metadata" in result.stderr
+    assert "builtins.exec is not part of a checkpoint index" in result.stderr
+    assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(tmp_path):
+    run_dir = tmp_path / "run"
+    trained = train(run_dir, 8)
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    for ranks in (1, 3):
+        summary = train_in_process(
+            make_cfg(
+                *FSDP,
+                "mode=eval",
+                f"checkpoint.resume={checkpoint}",
+                f"launcher.nproc_per_node={ranks}",
+            ),
+            run_dir / "eval" / str(ranks),
+        )
+        assert summary["world_size"] == ranks
+        assert summary["val/accuracy"] == trained["val/accuracy"]
+        assert summary["val/loss"] == pytest.approx(trained["val/loss"], rel=1e-6)
+
+    exported = tmp_path / "model.pt"
+    export = [sys.executable, "-m", "framework.storage.export", str(checkpoint), str(exported)]
+    result = subprocess.run([*export], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    state = torch.load(exported, weights_only=True)
+    instantiate(make_cfg(*FSDP).model).load_state_dict(state)  # strict: every key and shape
+    for name, tensor in weights(checkpoint).items():
+        assert torch.equal(state[name], tensor)
+    again = subprocess.run([*export], capture_output=True, text=True, cwd=tmp_path)
+    assert again.returncode == 2 and "already exists" in again.stderr
