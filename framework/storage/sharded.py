@@ -217,12 +217,7 @@ class ShardedState:
                 "on one side only): it was saved for another model or optimizer; resume with "
                 "the settings it was trained with"
             )
-        dcp.load(
-            wanted,
-            storage_reader=SafeReader(self.folder),
-            planner=TensorsOnlyPlanner(),
-            no_dist=not dist.is_initialized(),
-        )
+        _read_into(wanted, self.folder, alone=not dist.is_initialized())
         return join(self.skeleton, wanted, self.prefix)
 
     def whole(self) -> Any:
@@ -234,12 +229,14 @@ class ShardedState:
             if not isinstance(entry, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint {self.folder} has no tensor {key}")
             tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(
-                tensors,
-                storage_reader=SafeReader(self.folder),
-                planner=TensorsOnlyPlanner(),
-                no_dist=True,
-            )
+        _read_into(tensors, self.folder, alone=True)
         return join(self.skeleton, tensors, self.prefix)
+
+
+def _read_into(tensors: dict[str, torch.Tensor], folder: Path, alone: bool) -> None:
+    """DCP's load into `tensors`, in place (collective unless `alone`)."""
+    with warnings.catch_warnings():  # alone: "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(
+            tensors, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), no_dist=alone
+        )

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.storage.export import whole_weights
 from tests.conftest import TINY, make_cfg, read_metrics, train_losses, train_many
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -45,7 +46,8 @@ MODELS = {
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    """A one-file checkpoint's or a sharded one's (strategy=fsdp's default), whole."""
+    return whole_weights(run_dir / "checkpoints" / "last.pt")
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -109,7 +109,7 @@ def test_a_damaged_or_partial_sharded_checkpoint_falls_back_to_the_previous_one(
     shard.write_bytes(shard.read_bytes()[:-16])  # truncated on disk
     train(run_dir, 10)
     log = (run_dir / "train.log").read_text()
-    assert "step_00000008.dcp is corrupted or truncated" in log
+    assert "step_00000008.dcp/__1_0.distcp is corrupted or truncated" in log
     assert "resumed from" in log and "at step 4" in log
     assert not partial.exists()
     assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e][-6:] == list(
@@ -128,6 +128,7 @@ def test_a_crafted_index_is_refused_and_never_executed(tmp_path):
     folder = run_dir / "checkpoints" / "step_00000004.dcp"
     (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
     folder.with_suffix(".json").unlink()  # no checksum to stop it first: the index must
+    (tmp_path / "attack").mkdir()
     result = run_cli(
         *FSDP, "trainer.max_steps=8", f"checkpoint.resume={folder}", cwd=tmp_path / "attack"
     )

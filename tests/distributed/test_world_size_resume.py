@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from framework.storage.export import whole_weights
 from framework.storage.run_dir import RunDir
 from tests.conftest import TINY, make_cfg, read_metrics, train_in_process, train_losses
 
@@ -19,10 +20,13 @@ BASE = (*TINY, "model=mlp", "scheduler=constant", "checkpoint.every=6", "optimiz
 LEGS = [(2, 6, 6), (1, 12, 12), (3, 4, 18)]  # (ranks, per-rank batch, last step)
 
 
-def leg(ranks: int, batch: int, steps: int, strategy: str, run_dir: Path, *extra: str) -> dict:
+def leg(
+    ranks: int, batch: int, steps: int, strategy: str, fmt: str, run_dir: Path, *extra: str
+) -> dict:
     cfg = make_cfg(
         *BASE,
         f"strategy={strategy}",
+        fmt,
         f"launcher.nproc_per_node={ranks}",
         f"data.batch_size={batch}",
         f"trainer.max_steps={steps}",
@@ -32,17 +36,22 @@ def leg(ranks: int, batch: int, steps: int, strategy: str, run_dir: Path, *extra
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+    """A one-file checkpoint's or a sharded one's (strategy=fsdp's default), whole."""
+    return whole_weights(run_dir / "checkpoints" / "last.pt")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_then_one_then_three_ranks_continue_the_two_rank_run(tmp_path, strategy):
-    leg(2, 6, 18, strategy, tmp_path / "straight")
+@pytest.mark.parametrize(
+    ("strategy", "checkpoints"), [("ddp", "file"), ("fsdp", "file"), ("fsdp", "sharded")]
+)
+def test_two_then_one_then_three_ranks_continue_the_two_rank_run(tmp_path, strategy, checkpoints):
+    """One file gathered to rank 0, or each rank's shards read back resharded by DCP."""
+    strategy_and_format = (strategy, f"checkpoint.format={checkpoints}")
+    leg(2, 6, 18, *strategy_and_format, tmp_path / "straight")
     losses, previous = [], None
     for index, (ranks, batch, steps) in enumerate(LEGS):
         run_dir = tmp_path / f"leg{index}"
         resume = () if previous is None else (f"checkpoint.resume={previous}",)
-        summary = leg(ranks, batch, steps, strategy, run_dir, *resume)
+        summary = leg(ranks, batch, steps, *strategy_and_format, run_dir, *resume)
         assert summary["steps"] == steps and summary["world_size"] == ranks
         events = [e for e in read_metrics(run_dir) if "train/loss" in e]
         assert [e["step"] for e in events] == list(range(steps - 5, steps + 1))
