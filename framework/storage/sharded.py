@@ -161,9 +161,13 @@ def write_shards(
     completes once every rank's file and the index are durable."""
     writer = FileSystemWriter(folder, sync_files=True)
     alone = not dist.is_initialized()
-    if in_background:
-        return dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=alone)
-    dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=alone)
+    with warnings.catch_warnings():  # alone: "assuming the intent is to save in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        if in_background:
+            return dcp.async_save(
+                tensors, storage_writer=writer, process_group=group, no_dist=alone
+            )
+        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=alone)
     return None
 
 

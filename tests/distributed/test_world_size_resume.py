@@ -41,7 +41,8 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "checkpoints"), [("ddp", "file"), ("fsdp", "file"), ("fsdp", "sharded")]
+    ("strategy", "checkpoints"),
+    [("ddp", "file"), ("ddp", "sharded"), ("fsdp", "file"), ("fsdp", "sharded")],
 )
 def test_two_then_one_then_three_ranks_continue_the_two_rank_run(tmp_path, strategy, checkpoints):
     """One file gathered to rank 0, or each rank's shards read back resharded by DCP."""

@@ -149,6 +149,10 @@ def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
         (["strategy=fsdp", "comm=fp16"], "use comm=allreduce with strategy=fsdp"),
         (["strategy=fsdp", "precision=amp"], "GradScaler needs whole gradients on every rank"),
         (["strategy=fsdp", "strategy.block_classes=[my block]"], "is not a class name"),
+        # Only a sharded checkpoint is written in the background (rank 0's file is not).
+        (["checkpoint.async_save=true"], "add checkpoint.format=sharded"),
+        (["strategy=fsdp", "checkpoint.format=file", "checkpoint.async_save=true"], "async_save"),
+        (["checkpoint.resume=/"], "checkpoint.resume=/ is no checkpoint"),
         # Every key of a component's node is something its callable (or the framework) takes.
         (["+model.hiden=3"], "model.hiden is not a setting of framework.components.models"),
         (["+optimizer.momentun=0.5"], "did you mean optimizer.momentum?"),
