@@ -21,11 +21,12 @@ def test_channels_last_and_compile_learn_what_the_eager_default_learns(tmp_path)
         "eager": (),
         "channels_last": ("trainer.channels_last=true",),
         "compile": ("trainer.compile=true",),
+        "fsdp_compile": ("strategy=fsdp", "trainer.compile=true"),  # the sharded model compiled
     }
     jobs = [(make_cfg(*base, *extra), tmp_path / name) for name, extra in variants.items()]
     summaries = dict(zip(variants, train_many(jobs), strict=True))
     eager = train_losses(tmp_path / "eager")
-    for name in ("channels_last", "compile"):
+    for name in ("channels_last", "compile", "fsdp_compile"):
         assert train_losses(tmp_path / name) == pytest.approx(eager, rel=1e-4), name
         assert summaries[name]["val/accuracy"] == pytest.approx(
             summaries["eager"]["val/accuracy"], abs=0.02
