@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -98,55 +98,44 @@ class TensorsOnlyPlanner(DefaultLoadPlanner):
 
 
 # --- a state as tensors + skeleton ---------------------------------------------------------
+def _rebuilt(node: Any, path: str, leaf: Callable[[Any, str], Any]) -> Any:
+    """`node` with every leaf (anything but a dict, list or tuple) replaced by leaf(it, its
+    path); a tensor is a leaf."""
+    if isinstance(node, Mapping):
+        return {key: _rebuilt(value, f"{path}/{key}", leaf) for key, value in node.items()}
+    if isinstance(node, list | tuple):
+        return type(node)(_rebuilt(value, f"{path}/{i}", leaf) for i, value in enumerate(node))
+    return leaf(node, path)
+
+
+def _is_mark(node: Any) -> bool:
+    return isinstance(node, str) and node == TENSOR_MARK
+
+
 def split(state: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """(skeleton, {key: tensor}): the skeleton is `state` with each tensor replaced by
     TENSOR_MARK; keys are the path to it under `prefix` ("model/fc.weight")."""
     tensors: dict[str, torch.Tensor] = {}
 
-    def walk(node: Any, path: str) -> Any:
-        if isinstance(node, torch.Tensor):
-            tensors[path] = node
-            return TENSOR_MARK
-        if isinstance(node, Mapping):
-            return {key: walk(value, f"{path}/{key}") for key, value in node.items()}
-        if isinstance(node, list | tuple):
-            return type(node)(walk(value, f"{path}/{index}") for index, value in enumerate(node))
-        return node
+    def take(node: Any, path: str) -> Any:
+        if not isinstance(node, torch.Tensor):
+            return node
+        tensors[path] = node
+        return TENSOR_MARK
 
-    return walk(state, prefix), tensors
+    return _rebuilt(state, prefix, take), tensors
 
 
 def marked(skeleton: Any, prefix: str) -> list[str]:
     """The keys of the tensors a skeleton had."""
     keys: list[str] = []
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, str) and node == TENSOR_MARK:
-            keys.append(path)
-        elif isinstance(node, Mapping):
-            for key, value in node.items():
-                walk(value, f"{path}/{key}")
-        elif isinstance(node, list | tuple):
-            for index, value in enumerate(node):
-                walk(value, f"{path}/{index}")
-
-    walk(skeleton, prefix)
+    _rebuilt(skeleton, prefix, lambda node, path: _is_mark(node) and keys.append(path))
     return keys
 
 
 def join(skeleton: Any, tensors: Mapping[str, torch.Tensor], prefix: str) -> Any:
     """The inverse of split: the skeleton with each mark replaced by its tensor."""
-
-    def walk(node: Any, path: str) -> Any:
-        if isinstance(node, str) and node == TENSOR_MARK:
-            return tensors[path]
-        if isinstance(node, Mapping):
-            return {key: walk(value, f"{path}/{key}") for key, value in node.items()}
-        if isinstance(node, list | tuple):
-            return type(node)(walk(value, f"{path}/{index}") for index, value in enumerate(node))
-        return node
-
-    return walk(skeleton, prefix)
+    return _rebuilt(skeleton, prefix, lambda node, path: tensors[path] if _is_mark(node) else node)
 
 
 # --- writing -------------------------------------------------------------------------------

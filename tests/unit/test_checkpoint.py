@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import torch
 from framework.core.exits import CheckpointError
 from framework.storage import checkpoint
 from framework.storage.checkpoint import check_model_keys, newest_valid, read, write
+from framework.storage.sharded import join, marked, split
 from tests.conftest import REPO
 
 
@@ -208,3 +210,31 @@ def test_a_save_past_a_file_size_limit_says_so_and_keeps_the_previous_checkpoint
         "step_00000001.pt",
     ]
     assert read(tmp_path / "last.pt")["step"] == 1
+
+
+def test_a_sharded_checkpoints_skeleton_keeps_everything_around_the_tensors():
+    """Only tensors go through DCP; param groups, tuples and None entries come back as saved."""
+
+    state = {
+        "state": {"fc.weight": {"exp_avg": torch.ones(2), "step": torch.tensor(3.0), "m": None}},
+        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["fc.weight"]}],
+    }
+    skeleton, tensors = split(state, "optimizer")
+    assert sorted(tensors) == [
+        "optimizer/state/fc.weight/exp_avg",
+        "optimizer/state/fc.weight/step",
+    ]
+    assert marked(skeleton, "optimizer") == list(tensors)
+    assert skeleton["param_groups"] == state["param_groups"]
+    rebuilt = join(through_torch_save(skeleton), tensors, "optimizer")
+    assert rebuilt["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert rebuilt["state"]["fc.weight"]["m"] is None
+    assert rebuilt["state"]["fc.weight"]["exp_avg"] is tensors["optimizer/state/fc.weight/exp_avg"]
+
+
+def through_torch_save(value):
+    """As state.pt stores a skeleton: saved, then read with weights_only=True."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
