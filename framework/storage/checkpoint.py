@@ -485,15 +485,15 @@ class Checkpointer:
         if future is None:
             seal()
         else:
-            self._seal_when_written(future, seal)
+            self._seal_when_written(step, future, seal)
         return final
 
-    def _seal_when_written(self, future: Any, seal: Callable[[], None]) -> None:
+    def _seal_when_written(self, step: int, future: Any, seal: Callable[[], None]) -> None:
         done = threading.Event()
 
         def on_written(written: Any) -> None:
             try:
-                written.result()
+                self._guard_save(step, written.result)
                 seal()
             except BaseException as error:  # raised in the training thread, at the next save
                 self._pending_error = error
