@@ -31,6 +31,11 @@ from typing import NoReturn
 from hydra.errors import CompactHydraException
 
 
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """An exception's first line, for a one-line message that names its cause."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:limit]
+
+
 class ExitCode(IntEnum):
     DONE = 0
     FAILED = 1  # a bug or a fault; the failing rank printed its traceback or message

@@ -26,7 +26,7 @@ from framework.components.comm import Comm
 from framework.components.ema import EMA
 from framework.components.precision import Precision
 from framework.components.strategy import DDP
-from framework.core.exits import CheckpointError
+from framework.core.exits import CheckpointError, first_line
 from framework.storage.checkpoint import restore_rng, rng_state
 
 
@@ -198,8 +198,8 @@ def _load(key: str, item: Stateful, state: Any) -> None:
             raise KeyError("absent")
         item.load_state_dict(state)
     except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as error:
-        reason = (str(error).splitlines() or [type(error).__name__])[0][:160]
         raise CheckpointError(
-            f"the checkpoint's {key} state does not fit this run ({reason}): resume with the "
-            "settings it was trained with, or start from scratch with checkpoint.resume=never"
+            f"the checkpoint's {key} state does not fit this run ({first_line(error)}): resume "
+            "with the settings it was trained with, or start from scratch with "
+            "checkpoint.resume=never"
         ) from None

@@ -34,9 +34,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+from torch.distributed.checkpoint import CheckpointException
 
 from framework.core.distributed import broadcast_object
-from framework.core.exits import CheckpointError, SaveFailed
+from framework.core.exits import CheckpointError, SaveFailed, first_line
 from framework.core.launch_context import DistEnv
 from framework.storage import sharded
 from framework.storage.sharded import ShardedState
@@ -330,9 +331,9 @@ def _load_payload(path: Path) -> Any:
             "was executed"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as error:
-        first_line = (str(error).splitlines() or [type(error).__name__])[0][:120]
         raise CheckpointError(
-            f"checkpoint {path} is unreadable (empty, truncated or corrupted: {first_line})"
+            f"checkpoint {path} is unreadable (empty, truncated or corrupted: "
+            f"{first_line(error, 120)})"
         ) from None
 
 
@@ -519,23 +520,23 @@ class Checkpointer:
         (cut off, its folder would stay partial and the previous checkpoint would be used)."""
         try:
             self.finish_pending()
-        except Exception as error:  # the run is already ending with its own error or signal
+        except (Exception, CheckpointException) as error:  # the run is ending anyway
             log.error("the last background checkpoint was not saved: %s", error)
 
     def _guard_save(self, step: int, save: Callable[[], Any]) -> Any:
         """`save`, with a failed write (disk full) as SaveFailed naming what is still intact."""
         try:
             return save()
-        except (OSError, RuntimeError) as error:  # torch.save wraps the OSError
-            cause = _os_error_in(error)
-            if cause is None:
+        except (OSError, RuntimeError, CheckpointException) as error:  # torch.save wraps OSError
+            reason = _write_failure(error)
+            if reason is None:
                 raise
             earlier = step_files(self.directory)
             kept = f"{earlier[0][1]} is intact" if earlier else "no earlier one was saved"
             raise SaveFailed(
                 f"the checkpoint of step {step} could not be written to {self.directory} "
-                f"({cause.strerror or cause}); {kept}. Free space (or raise the file-size "
-                "limit) and run the same command again to resume"
+                f"({reason}); {kept}. Free space (or raise the file-size limit) and run the same "
+                "command again to resume"
             ) from None
 
     def best_path(self) -> Path | None:
@@ -601,6 +602,17 @@ def _start_partial(partial: Path, payload: dict[str, Any]) -> None:
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     atomic_write(partial / sharded.STATE_FILE, lambda file: torch.save(payload, file))
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """Why a save failed, when it failed writing: the OS's reason, or what the writer of a
+    rank's shards said (DCP reports each rank's failure, without the OSError behind it)."""
+    if isinstance(error, CheckpointException):
+        failed, _ = next(iter(error.failures.values()))
+        cause = _os_error_in(failed)
+        return str(cause.strerror or cause) if cause else first_line(failed)
+    cause = _os_error_in(error)
+    return None if cause is None else str(cause.strerror or cause)
 
 
 def _os_error_in(error: BaseException | None) -> OSError | None:

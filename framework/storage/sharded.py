@@ -28,11 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from framework.core.exits import CheckpointError
+from framework.core.exits import CheckpointError, first_line
 
 SUFFIX = ".dcp"
 STATE_FILE = "state.pt"  # inside the folder, beside DCP's files
@@ -230,6 +230,19 @@ def _read_into(tensors: dict[str, torch.Tensor], folder: Path, alone: bool) -> N
     """DCP's load into `tensors`, in place (collective unless `alone`)."""
     with warnings.catch_warnings():  # alone: "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(
-            tensors, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner(), no_dist=alone
-        )
+        try:
+            dcp.load(
+                tensors,
+                storage_reader=SafeReader(folder),
+                planner=TensorsOnlyPlanner(),
+                no_dist=alone,
+            )
+        except CheckpointException as error:  # each rank's failure, with its traceback
+            failed, _ = next(iter(error.failures.values()))
+            if isinstance(failed, CheckpointError):
+                raise failed from None
+            raise CheckpointError(
+                f"checkpoint {folder} could not be read ({first_line(failed)}): it is damaged; "
+                "resume from "
+                "an earlier one with checkpoint.resume=<its folder>"
+            ) from None

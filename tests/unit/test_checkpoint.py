@@ -238,3 +238,46 @@ def through_torch_save(value):
     torch.save(value, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+SHARDED_SAVE_PAST_A_SIZE_LIMIT = """
+import resource, sys, torch
+from omegaconf import OmegaConf
+from framework.core.exits import SaveFailed
+from framework.core.launch_context import DistEnv
+from framework.storage.checkpoint import Checkpointer
+cfg = OmegaConf.create({"every": 1, "keep": 3, "best": 0, "async_save": sys.argv[2] == "1"})
+saver = Checkpointer(cfg, __import__("pathlib").Path(sys.argv[1]), DistEnv(), {}, sharded=True)
+saver.save_sharded(1, {"model": {"w": torch.zeros(10)}}, dict, {})
+saver.finish_pending()
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a file-size limit, a full disk
+try:
+    saver.save_sharded(2, {"model": {"w": torch.zeros(1_000_000)}}, dict, {})
+    saver.finish_pending()  # where a background save's failure is raised
+except SaveFailed as error:
+    print(error)
+"""
+
+
+@pytest.mark.parametrize("in_background", [False, True], ids=["sync", "async_save"])
+def test_a_sharded_save_past_a_file_size_limit_says_so_and_keeps_the_previous_one(
+    tmp_path, in_background
+):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SHARDED_SAVE_PAST_A_SIZE_LIMIT,
+            str(tmp_path),
+            str(int(in_background)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("the checkpoint of step 2 could not be written to"), done.stdout
+    assert "File too large" in done.stdout and "step_00000001.dcp is intact" in done.stdout
+    assert [p.name for _, p in checkpoint.step_files(tmp_path)] == ["step_00000001.dcp"]
+    assert os.readlink(tmp_path / "last.pt") == "step_00000001.dcp"
+    assert read(tmp_path / "last.pt")["step"] == 1
