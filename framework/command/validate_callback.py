@@ -15,7 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import validate
 from framework.config.redaction import redact_multirun_master, write_hydra_record
-from framework.config.validation import require
+from framework.config.validation import joins_other_node, require
 from framework.core import launch_context
 from framework.core.exits import ConfigError, end
 from framework.launch.slurm_partition import check_cluster
@@ -33,7 +33,8 @@ class ValidateBeforeRun(Callback):
         run = RunDir(Path(config.hydra.run.dir))
         try:
             _check_creatable("hydra.run.dir", run.path)
-            run.check_reusable(config, sweep_job=False)
+            if not joins_other_node(config.launcher):  # the host node's start checks it
+                run.check_reusable(config, sweep_job=False)
         except ConfigError as error:
             end(error)
         run.note_missing_folders()
@@ -48,7 +49,8 @@ class ValidateBeforeRun(Callback):
         redact_multirun_master(config)  # the sweeper saves it next, as multirun.yaml
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if launch_context.current().is_follower:  # rank 0 writes the record
+        # Rank 0 writes the record; of a multi-node torchrun job, the rendezvous host.
+        if launch_context.current().is_follower or joins_other_node(config.launcher):
             return
         run = RunDir(Path(config.hydra.runtime.output_dir))
         run.note_start()
