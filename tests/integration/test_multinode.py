@@ -113,7 +113,8 @@ ELASTIC = (
     f"trainer.max_steps={ELASTIC_STEPS}",
     "checkpoint.every=4",
     "checkpoint.keep=100",  # the checkpoint the restart resumed from is still there at the end
-    "dist.timeout_s=30",
+    # A node that vanishes without closing its connections is noticed when a collective times out.
+    "dist.timeout_s=10",
 )
 RENDEZVOUS = (
     "launcher=torchrun",
@@ -163,9 +164,13 @@ def _wait_for(condition, node: subprocess.Popen, timeout_s: float, what: str) ->
     return time.monotonic() - started
 
 
+@pytest.mark.parametrize("loss", ["killed", "unplugged"])
 def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint(
-    two_hosts, tmp_path
+    two_hosts, tmp_path, loss
 ):
+    """killed: node b's processes die, and their connections close (node a's next collective
+    fails at once). unplugged: node b's link goes down first, so nothing reaches node a and its
+    collective times out (dist.timeout_s)."""
     run_dir = tmp_path / "run"  # one run dir for both nodes: a shared file system
     # Node b first: it waits for node a's rendezvous store, so both join within the last call.
     node_b = _start_node("b", two_hosts["b"], run_dir, tmp_path)
@@ -176,6 +181,8 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint
             (run_dir / "checkpoints" / "step_00000008.pt").exists, node_a, 180, "checkpoint 8"
         )
         assert node_b.poll() is None
+        if loss == "unplugged":
+            _ip("-n", two_hosts["b"], "link", "set", two_hosts["b"], "down")
         os.killpg(node_b.pid, signal.SIGKILL)  # the node is gone: agent, fork server, rank
         delay = _wait_for(lambda: "world_size=1" in log_file.read_text(), node_a, 120, "restart")
         node_a.wait(timeout=120)
@@ -186,6 +193,9 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint
                 node.wait()
     output = (tmp_path / "node_a.out").read_text()
     assert node_a.returncode == 0, output[-4000:]
+    # Unplugged, the survivor learned it from the timeout, and said so in one line.
+    timed_out = "rank 0 waited dist.timeout_s=10 s in a collective without an answer"
+    assert (timed_out in output) is (loss == "unplugged"), output[-4000:]
     log = log_file.read_text()
     # Two ranks first, then one, from the newest checkpoint written before the loss.
     assert log.index("world_size=2") < log.index("world_size=1"), log[-3000:]
@@ -211,6 +221,6 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint
     assert by_hand.returncode == 0, by_hand.stderr[-3000:]
     assert train_losses(reference) == losses[step:]
     assert_same_weights(final_weights(run_dir), final_weights(reference))
-    print(f"node lost -> its survivor's rank started again: {delay:.1f} s")
+    print(f"node {loss} -> the survivor's rank started again: {delay:.1f} s")
     time.sleep(1)
     assert not processes_mentioning(str(tmp_path))
