@@ -305,13 +305,16 @@ def is_elastic(launcher: DictConfig) -> bool:
     return low < high
 
 
+def spans_nodes(launcher: DictConfig) -> bool:
+    """launcher=torchrun on (possibly) several nodes: they share one run dir (hydra.run.dir, on
+    a shared file system), whose name is the rendezvous id."""
+    return launcher.name == "torchrun" and node_range(launcher.nnodes)[1] > 1
+
+
 def joins_other_node(launcher: DictConfig) -> bool:
-    """A node of a multi-node launcher=torchrun job that does not host its rendezvous: it
-    shares the host's run dir (hydra.run.dir, on a shared file system), whose lock and record
-    the host holds and writes."""
-    if launcher.name != "torchrun" or launcher.rdzv_host:
-        return False
-    return node_range(launcher.nnodes)[1] > 1
+    """A node of a multi-node launcher=torchrun job that does not host its rendezvous: the
+    host holds the shared run dir's lock and writes its record."""
+    return spans_nodes(launcher) and not launcher.rdzv_host
 
 
 def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:

@@ -17,11 +17,15 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from framework.config.validation import node_range
 from framework.core import launch_context, startup_clock
-from framework.core.exits import Stopped, root_cause
+from framework.core.exits import Stopped, WorkerFailed, root_cause
 from framework.launch import forkserver
 from framework.run.stopping import stop_signal_names
 
@@ -65,6 +69,17 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         cause = root_cause(codes)
         if cause is not None:
             raise cause from None
+    except RendezvousConnectionError:  # a node that does not host it, before or during the run
+        raise WorkerFailed(
+            f"no rendezvous answered at launcher.rdzv_endpoint={launcher.rdzv_endpoint}: the "
+            "node at that address runs the job with launcher.rdzv_host=true, and must be up "
+            "for the whole run"
+        ) from None
+    except RendezvousTimeoutError:
+        raise WorkerFailed(
+            f"fewer than {min_nodes} node(s) (launcher.nnodes={launcher.nnodes}) joined the "
+            f"rendezvous at {launcher.rdzv_endpoint} in time: start the job on every node"
+        ) from None
     except SignalException as error:  # the agent waited for the ranks to save and stop
         raise Stopped(signal.Signals(error.sigval).name) from None
     finally:
