@@ -84,9 +84,11 @@ class ValidateBeforeRun(Callback):
 def _check_shared_run_dir(config: DictConfig) -> None:
     """The nodes of a multi-node torchrun job find each other by their run dir's name: the
     default one (a timestamp per node) would never match."""
+    if not spans_nodes(config.launcher):
+        return
     chosen = OmegaConf.to_container(config.hydra.run, resolve=False)["dir"]
     require(
-        not (spans_nodes(config.launcher) and str(chosen).startswith("${output_dir:")),
+        not str(chosen).startswith("${output_dir:"),
         f"launcher.nnodes={config.launcher.nnodes}: the nodes of a job share one run dir and "
         "find each other by its name: give every node the same hydra.run.dir=<a folder on a "
         "shared file system>",

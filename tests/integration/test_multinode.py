@@ -3,6 +3,7 @@ NNODES=2 from each forms one 2-rank job across them (c10d rendezvous over the li
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -130,28 +131,56 @@ RENDEZVOUS = (
 )
 
 
-def _start_node(host: str, namespace: str, run_dir: Path, cwd: Path) -> subprocess.Popen:
+def _start_node(
+    host: str, namespace: str, run_dir: Path, cwd: Path, script: bool
+) -> subprocess.Popen:
+    """`train launcher=torchrun ...` on one node, or (script) launchers/torchrun.sh with the
+    same settings in its environment variables."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
     env.update(
+        PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
         PYTHONPATH=str(REPO),
         OMP_NUM_THREADS="1",
         GLOO_SOCKET_IFNAME=namespace,
         FRAMEWORK_TEST_FAULT="slow:0:6",
     )
-    node = (
-        f"launcher.local_addr={HOSTS[host]}",
-        f"launcher.rdzv_host={str(host == 'a').lower()}",
-    )
+    if script:  # its run dir is outputs/torchrun/<RUN_ID> in the (shared) working dir
+        env.update(
+            NNODES="1:2",
+            NPROC="1",
+            MAX_RESTARTS="1",
+            RDZV_ENDPOINT=f"{HOSTS['a']}:29556",
+            RUN_ID=run_dir.name,
+            LOCAL_ADDR=HOSTS[host],
+            RDZV_HOST="1" if host == "a" else "0",
+            RDZV_CONF="last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+        )
+        command = ["bash", str(REPO / "launchers" / "torchrun.sh"), *ELASTIC]
+    else:
+        command = [sys.executable, "-m", "framework.cli", *ELASTIC, *RENDEZVOUS]
+        command += [
+            f"launcher.local_addr={HOSTS[host]}",
+            f"launcher.rdzv_host={str(host == 'a').lower()}",
+            f"hydra.run.dir={run_dir}",
+        ]
     with open(cwd / f"node_{host}.out", "w") as output:
         return subprocess.Popen(
-            ["ip", "netns", "exec", namespace, sys.executable, "-m", "framework.cli"]
-            + [*ELASTIC, *RENDEZVOUS, *node, f"hydra.run.dir={run_dir}"],
+            ["ip", "netns", "exec", namespace, *command],
             cwd=cwd,
             env=env,
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: killed whole, as a lost node
         )
+
+
+def _kill_node(namespace: str) -> None:
+    """SIGKILL to every process of the node (torchrun starts its ranks in sessions of their own:
+    a process group is not the whole node)."""
+    found = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    for pid in found.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def _wait_for(condition, node: subprocess.Popen, timeout_s: float, what: str) -> float:
@@ -164,17 +193,23 @@ def _wait_for(condition, node: subprocess.Popen, timeout_s: float, what: str) ->
     return time.monotonic() - started
 
 
-@pytest.mark.parametrize("loss", ["killed", "unplugged"])
+@pytest.mark.parametrize(
+    ("launch", "loss"),
+    [("launcher", "killed"), ("launcher", "unplugged"), ("script", "killed")],
+)
 def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint(
-    two_hosts, tmp_path, loss
+    two_hosts, tmp_path, launch, loss
 ):
-    """killed: node b's processes die, and their connections close (node a's next collective
-    fails at once). unplugged: node b's link goes down first, so nothing reaches node a and its
-    collective times out (dist.timeout_s)."""
-    run_dir = tmp_path / "run"  # one run dir for both nodes: a shared file system
+    """launcher: `train launcher=torchrun`; script: launchers/torchrun.sh. killed: node b's
+    processes die, and their connections close (node a's next collective fails at once).
+    unplugged: node b's link goes down first, so nothing reaches node a and its collective times
+    out (dist.timeout_s)."""
+    # One run dir for both nodes: a shared file system.
+    script = launch == "script"
+    run_dir = tmp_path / "outputs" / "torchrun" / "elastic" if script else tmp_path / "run"
     # Node b first: it waits for node a's rendezvous store, so both join within the last call.
-    node_b = _start_node("b", two_hosts["b"], run_dir, tmp_path)
-    node_a = _start_node("a", two_hosts["a"], run_dir, tmp_path)
+    node_b = _start_node("b", two_hosts["b"], run_dir, tmp_path, script)
+    node_a = _start_node("a", two_hosts["a"], run_dir, tmp_path, script)
     log_file = run_dir / "train.log"
     try:
         _wait_for(
@@ -183,7 +218,7 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint
         assert node_b.poll() is None
         if loss == "unplugged":
             _ip("-n", two_hosts["b"], "link", "set", two_hosts["b"], "down")
-        os.killpg(node_b.pid, signal.SIGKILL)  # the node is gone: agent, fork server, rank
+        _kill_node(two_hosts["b"])  # the node is gone: agent, fork server, rank
         delay = _wait_for(lambda: "world_size=1" in log_file.read_text(), node_a, 120, "restart")
         node_a.wait(timeout=120)
     finally:
@@ -221,6 +256,6 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint
     assert by_hand.returncode == 0, by_hand.stderr[-3000:]
     assert train_losses(reference) == losses[step:]
     assert_same_weights(final_weights(run_dir), final_weights(reference))
-    print(f"node {loss} -> the survivor's rank started again: {delay:.1f} s")
+    print(f"{launch}, node {loss} -> the survivor's rank started again: {delay:.1f} s")
     time.sleep(1)
     assert not processes_mentioning(str(tmp_path))
