@@ -299,12 +299,6 @@ def node_range(nnodes: str | int) -> tuple[int, int]:
     return low, high
 
 
-def is_elastic(launcher: DictConfig) -> bool:
-    """launcher=torchrun with a range of nodes: it goes on with the nodes left after a loss."""
-    low, high = node_range(launcher.nnodes)
-    return low < high
-
-
 def spans_nodes(launcher: DictConfig) -> bool:
     """launcher=torchrun on (possibly) several nodes: they share one run dir (hydra.run.dir, on
     a shared file system), whose name is the rendezvous id."""
