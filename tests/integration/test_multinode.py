@@ -106,13 +106,15 @@ def test_torchrun_across_two_namespaces_trains_like_a_local_two_rank_job(
     assert_same_weights(final_weights(run_dir), final_weights(reference))
 
 
-# An elastic job of 1 to 2 nodes, 1 rank each. Rank 0 sleeps 0.3 s per step from its 6th
-# (tests/faults.py): time to see a checkpoint and kill the other node mid-training.
+# An elastic job of 1 to 2 nodes, 1 rank each. Rank 0 sleeps 0.3 s per step from its 5th
+# (tests/faults.py): time to see a checkpoint and kill the other node mid-training. 4 steps per
+# epoch on 2 ranks: the checkpoint at step 6 is mid-epoch, so the single rank left continues
+# the epoch from its global sample position (the second half of epoch 1).
 ELASTIC_STEPS = 40
 ELASTIC = (
     *FAULTS,
     f"trainer.max_steps={ELASTIC_STEPS}",
-    "checkpoint.every=4",
+    "checkpoint.every=6",
     "checkpoint.keep=100",  # the checkpoint the restart resumed from is still there at the end
     # A node that vanishes without closing its connections is noticed when a collective times out.
     "dist.timeout_s=10",
@@ -142,7 +144,7 @@ def _start_node(
         PYTHONPATH=str(REPO),
         OMP_NUM_THREADS="1",
         GLOO_SOCKET_IFNAME=namespace,
-        FRAMEWORK_TEST_FAULT="slow:0:6",
+        FRAMEWORK_TEST_FAULT="slow:0:5",
     )
     if script:  # its run dir is outputs/torchrun/<RUN_ID> in the (shared) working dir
         env.update(
@@ -213,7 +215,7 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint
     log_file = run_dir / "train.log"
     try:
         _wait_for(
-            (run_dir / "checkpoints" / "step_00000008.pt").exists, node_a, 180, "checkpoint 8"
+            (run_dir / "checkpoints" / "step_00000006.pt").exists, node_a, 180, "checkpoint 6"
         )
         assert node_b.poll() is None
         if loss == "unplugged":
@@ -237,7 +239,7 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint
     resumed = re.search(r"resumed from (\S+step_(\d+)\.pt) at step (\d+)", log)
     assert resumed is not None, log[-3000:]
     checkpoint, step = Path(resumed[1]), int(resumed[3])
-    assert step >= 8 and "written by 2 ranks, on 1" in log
+    assert step >= 6 and "written by 2 ranks, on 1" in log
     # One metrics event per step: none lost at the checkpoint, none left from after it.
     events = [e for e in read_metrics(run_dir) if "train/loss" in e]
     assert [e["step"] for e in events] == list(range(1, ELASTIC_STEPS + 1))
