@@ -22,6 +22,7 @@ from framework.command.hydra_node_check import check_composed_hydra_node
 from framework.config import CONF_DIR, validate
 from framework.config.redaction import hide_command_line_secrets
 from framework.config.registry import register_configs
+from framework.config.validation import joins_other_node
 from framework.core import launch_context, startup_clock
 from framework.core.allowlist import check_command_line
 from framework.core.exits import (
@@ -61,7 +62,9 @@ def hydra_app(cfg: DictConfig) -> float | None:
         if sweep_job:
             join_sweep(cfg, RunDir(run_dir), hydra_cfg)
         OmegaConf.resolve(cfg)
-        with contextlib.nullcontext() if is_throwaway(run_dir) else RunDir(run_dir).held():
+        # A node that joins another node's torchrun job shares its run dir: the host holds it.
+        unheld = is_throwaway(run_dir) or joins_other_node(cfg.launcher)
+        with contextlib.nullcontext() if unheld else RunDir(run_dir).held():
             summary = start(how_ranks_start(cfg.launcher, here), cfg, run_dir)
     except Stopped as stop:  # rank 0 said where the checkpoint is
         raise SystemExit(stop.exit_code) from None  # a stop (Ctrl-C) ends a whole sweep too

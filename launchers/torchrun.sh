@@ -6,9 +6,11 @@
 # Several nodes: run on every node with the same RUN_ID and node 0's address:
 #   NNODES=2 NPROC=4 RDZV_ENDPOINT=node0:29500 RUN_ID=exp42 uv run launchers/torchrun.sh ...
 #
-# Settings (environment): NPROC (ranks per node, default 2), NNODES (default 1),
+# Settings (environment): NPROC (ranks per node, default 2), NNODES (default 1; MIN:MAX, e.g.
+# 1:2, for an elastic job that restarts on the nodes left after one is lost),
 # MAX_RESTARTS (default 1), RDZV_ENDPOINT and RUN_ID (needed when NNODES > 1), LOCAL_ADDR
-# (this node's reachable address) and RDZV_HOST=1 on the node at RDZV_ENDPOINT.
+# (this node's reachable address), RDZV_HOST=1 on the node at RDZV_ENDPOINT, RDZV_CONF (more
+# c10d settings, e.g. last_call_timeout=5,keep_alive_interval=1: docs/launchers.md).
 # The run dir is outputs/torchrun/<RUN_ID>; every restart resumes from its newest checkpoint.
 set -euo pipefail
 
@@ -23,6 +25,11 @@ args=(
   # the ranks get the signal, save a checkpoint at the same step and exit with code 75.
   --signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2
 )
+if [[ "${NNODES:-1}" == *:* && "${MAX_RESTARTS:-1}" == 0 ]]; then
+  echo "error: NNODES=$NNODES is an elastic range, which restarts on the nodes left after" \
+       "one is lost: set MAX_RESTARTS>=1 (or a fixed NNODES)" >&2
+  exit 2
+fi
 if [[ "${NNODES:-1}" == 1 ]]; then
   args+=(--standalone)
 else
@@ -34,6 +41,8 @@ else
   if [[ -n "${LOCAL_ADDR:-}" ]]; then args+=(--local-addr="$LOCAL_ADDR"); fi
   # The node at RDZV_ENDPOINT hosts the rendezvous; torchrun guesses it from the hostname, which
   # fails when RDZV_ENDPOINT is an address the hostname does not resolve to.
-  if [[ "${RDZV_HOST:-0}" == 1 ]]; then args+=(--rdzv-conf=is_host=true); fi
+  conf="${RDZV_CONF:-}"
+  if [[ "${RDZV_HOST:-0}" == 1 ]]; then conf="is_host=true${conf:+,$conf}"; fi
+  if [[ -n "$conf" ]]; then args+=(--rdzv-conf="$conf"); fi
 fi
 exec python -m torch.distributed.run "${args[@]}" -m framework.train "$@"

@@ -10,12 +10,12 @@ from hydra._internal.sources_registry import SourcesRegistry
 from hydra.core.object_type import ObjectType
 from hydra.experimental.callback import Callback
 from hydra.plugins.config_source import ConfigSource
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import validate
 from framework.config.redaction import redact_multirun_master, write_hydra_record
-from framework.config.validation import require
+from framework.config.validation import joins_other_node, require, spans_nodes
 from framework.core import launch_context
 from framework.core.exits import ConfigError, end
 from framework.launch.slurm_partition import check_cluster
@@ -33,7 +33,9 @@ class ValidateBeforeRun(Callback):
         run = RunDir(Path(config.hydra.run.dir))
         try:
             _check_creatable("hydra.run.dir", run.path)
-            run.check_reusable(config, sweep_job=False)
+            _check_shared_run_dir(config)
+            if not joins_other_node(config.launcher):  # the host node's start checks it
+                run.check_reusable(config, sweep_job=False)
         except ConfigError as error:
             end(error)
         run.note_missing_folders()
@@ -48,7 +50,8 @@ class ValidateBeforeRun(Callback):
         redact_multirun_master(config)  # the sweeper saves it next, as multirun.yaml
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if launch_context.current().is_follower:  # rank 0 writes the record
+        # Rank 0 writes the record; of a multi-node torchrun job, the rendezvous host.
+        if launch_context.current().is_follower or joins_other_node(config.launcher):
             return
         run = RunDir(Path(config.hydra.runtime.output_dir))
         run.note_start()
@@ -76,6 +79,20 @@ class ValidateBeforeRun(Callback):
             end(mistake, rank=launch_context.current().global_rank())
         except ConfigError as error:
             end(error, rank=launch_context.current().global_rank())  # rank 0 says it once
+
+
+def _check_shared_run_dir(config: DictConfig) -> None:
+    """The nodes of a multi-node torchrun job find each other by their run dir's name: the
+    default one (a timestamp per node) would never match."""
+    if not spans_nodes(config.launcher):
+        return
+    chosen = OmegaConf.to_container(config.hydra.run, resolve=False)["dir"]
+    require(
+        not str(chosen).startswith("${output_dir:"),
+        f"launcher.nnodes={config.launcher.nnodes}: the nodes of a job share one run dir and "
+        "find each other by its name: give every node the same hydra.run.dir=<a folder on a "
+        "shared file system>",
+    )
 
 
 def _check_creatable(setting: str, path: Path) -> None:

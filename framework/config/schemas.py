@@ -487,11 +487,25 @@ class TorchrunLauncherConfig(LauncherConfig):
 
     name: str = "torchrun"
     nproc_per_node: int = "${default_ranks:}"  # type: ignore[assignment]  (one per GPU, else 2)
-    nnodes: int = 1
-    node_rank: int = 0
+    # Nodes: N, or MIN:MAX (as torchrun's --nnodes) for an elastic job that goes on with the
+    # nodes left after one is lost (needs max_restarts >= 1; docs/launchers.md). An int or a
+    # string; node ranks are assigned by the rendezvous.
+    nnodes: str = "1"
     rdzv_endpoint: str = "localhost:0"  # host:port of node 0; port 0 picks a free one (1 node)
+    # Several nodes: true on the node at rdzv_endpoint, which hosts the rendezvous (and the run
+    # dir's lock and record); every other node joins it. One node: ignored (it always hosts).
+    rdzv_host: bool = False
+    # This node's address as the other nodes reach it (null: its hostname, as torchrun).
+    local_addr: str | None = None
     max_restarts: int = 0  # restart the whole group this many times after a worker dies
     monitor_interval_s: float = 0.5
+    # c10d rendezvous timing (torch's defaults). Once MIN nodes have joined, a round waits
+    # last_call_s for more before it starts; a node that sent no keep-alive for
+    # keep_alive_s x keep_alive_attempts is dropped, and only then can a restart after a lost
+    # node form its round: the survivors restart after about the sum of the two.
+    rdzv_last_call_s: int = 30
+    rdzv_keep_alive_s: int = 5
+    rdzv_keep_alive_attempts: int = 3
 
 
 @dataclass

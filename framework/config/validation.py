@@ -251,13 +251,16 @@ def _check_checkpoint(ck: DictConfig, sharded: bool) -> None:
 def _reject_srun_steps(launcher: DictConfig, cfg: DictConfig) -> None:
     """For launchers that start the ranks themselves: `srun -n 4 train` starts 4 launchers,
     each with its own ranks and run dir. One task per node running launcher=torchrun with
-    launcher.nnodes = the step's nodes is a real job."""
+    launcher.nnodes = the step's nodes (or a range holding it) is a real job."""
     here = launch_context.current()
     if isinstance(here, launch_context.TorchElastic | launch_context.SubmititTask):
         return
     tasks, nodes = here.srun_step()
-    one_per_node = launcher.name == "torchrun" and tasks == nodes == launcher.nnodes
-    if tasks > 1 and not one_per_node:
+    if launcher.name == "torchrun" and tasks == nodes:
+        low, high = node_range(launcher.nnodes)
+        if low <= nodes <= high:  # one task per node
+            return
+    if tasks > 1:
         raise ConfigError(
             f"this is one of {tasks} tasks of an srun step: with launcher={launcher.name} each "
             "task would start its own ranks and run dir. Submit with launcher=slurm (one task per "
@@ -296,13 +299,48 @@ def _check_local(launcher: DictConfig, cfg: DictConfig) -> None:
     _check_ranks_fit_this_machine(launcher, cfg)
 
 
+def node_range(nnodes: str | int) -> tuple[int, int]:
+    """launcher.nnodes as (min, max): `N` is (N, N), `MIN:MAX` an elastic range."""
+    parts = str(nnodes).split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+    except ValueError:
+        low = high = 0
+    require(
+        1 <= low <= high,
+        f"launcher.nnodes={nnodes} is not a number of nodes: give N >= 1, or MIN:MAX with "
+        "1 <= MIN <= MAX for an elastic job (e.g. launcher.nnodes=1:2)",
+    )
+    return low, high
+
+
+def spans_nodes(launcher: DictConfig) -> bool:
+    """launcher=torchrun on (possibly) several nodes: they share one run dir (hydra.run.dir, on
+    a shared file system), whose name is the rendezvous id."""
+    return launcher.name == "torchrun" and node_range(launcher.nnodes)[1] > 1
+
+
+def joins_other_node(launcher: DictConfig) -> bool:
+    """A node of a multi-node launcher=torchrun job that does not host its rendezvous: the
+    host holds the shared run dir's lock and writes its record."""
+    return spans_nodes(launcher) and not launcher.rdzv_host
+
+
 def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:
     _reject_srun_steps(launcher, cfg)
     _check_ranks_fit_this_machine(launcher, cfg)
-    require(launcher.nnodes >= 1, f"launcher.nnodes={launcher.nnodes} must be >= 1")
+    low, high = node_range(launcher.nnodes)
     require(
         launcher.max_restarts >= 0, f"launcher.max_restarts={launcher.max_restarts} must be >= 0"
     )
+    require(
+        low == high or launcher.max_restarts >= 1,
+        f"launcher.nnodes={launcher.nnodes} is an elastic range, which goes on after a lost node "
+        "by restarting on the nodes left: set launcher.max_restarts>=1 (or a fixed "
+        f"launcher.nnodes={high})",
+    )
+    for key in ("rdzv_last_call_s", "rdzv_keep_alive_s", "rdzv_keep_alive_attempts"):
+        require(launcher[key] >= 1, f"launcher.{key}={launcher[key]} must be >= 1")
 
 
 def _check_submitit(launcher: DictConfig, cfg: DictConfig) -> None:

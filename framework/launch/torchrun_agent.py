@@ -11,15 +11,21 @@ import signal
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from framework.config.validation import node_range
 from framework.core import launch_context, startup_clock
-from framework.core.exits import Stopped, root_cause
+from framework.core.exits import Stopped, WorkerFailed, root_cause
 from framework.launch import forkserver
 from framework.run.stopping import stop_signal_names
 
@@ -27,19 +33,23 @@ from framework.run.stopping import stop_signal_names
 def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
     """The ranks as workers of torch's elastic agent, run from this process."""
     launcher = cfg.launcher
+    min_nodes, max_nodes = node_range(launcher.nnodes)
     # Restarted rounds re-create the store; sharing torchrun's store made gloo reconnects flaky.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # The agent's own log folder (it would leave torchelastic_* in the temp dir): removed after.
     agent_logs = tempfile.mkdtemp(prefix="framework-elastic-")
     config = LaunchConfig(
         logs_specs=DefaultLogsSpecs(log_dir=agent_logs),
-        min_nodes=launcher.nnodes,
-        max_nodes=launcher.nnodes,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
         nproc_per_node=launcher.nproc_per_node,
-        run_id=run_dir.name + "-" + uuid.uuid4().hex[:8] if launcher.nnodes == 1 else run_dir.name,
+        # Several nodes: every node gives the same hydra.run.dir, so its name is the job's id
+        # on every node. One node: its own id, so jobs at localhost:0 never meet.
+        run_id=run_dir.name if max_nodes > 1 else run_dir.name + "-" + uuid.uuid4().hex[:8],
         rdzv_backend="c10d",
         rdzv_endpoint=launcher.rdzv_endpoint,
-        rdzv_configs={"rank": launcher.node_rank} if launcher.nnodes > 1 else {},
+        rdzv_configs=rendezvous_settings(launcher, max_nodes),
+        local_addr=launcher.local_addr,
         max_restarts=launcher.max_restarts,
         monitor_interval=launcher.monitor_interval_s,
         # Forked from the fork server that has the training stack imported (forkserver.adopt
@@ -53,16 +63,40 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         forkserver.warm_up()  # (already running when `train` started it)
         elastic_launch(config, _elastic_worker)(cfg, run_dir, *forkserver.launcher_context())
     except ChildFailedError as error:
-        codes = [0] * (launcher.nproc_per_node * launcher.nnodes)
+        codes = [0] * (launcher.nproc_per_node * max_nodes)
         for rank, failure in error.failures.items():
             codes[rank] = failure.exitcode
         cause = root_cause(codes)
         if cause is not None:
             raise cause from None
+    except RendezvousConnectionError:  # a node that does not host it, before or during the run
+        raise WorkerFailed(
+            f"no rendezvous answered at launcher.rdzv_endpoint={launcher.rdzv_endpoint}: the "
+            "node at that address runs the job with launcher.rdzv_host=true, and must be up "
+            "for the whole run"
+        ) from None
+    except RendezvousTimeoutError:
+        raise WorkerFailed(
+            f"fewer than {min_nodes} node(s) (launcher.nnodes={launcher.nnodes}) joined the "
+            f"rendezvous at {launcher.rdzv_endpoint} in time: start the job on every node"
+        ) from None
     except SignalException as error:  # the agent waited for the ranks to save and stop
         raise Stopped(signal.Signals(error.sigval).name) from None
     finally:
         shutil.rmtree(agent_logs, ignore_errors=True)
+
+
+def rendezvous_settings(launcher: DictConfig, max_nodes: int) -> dict[str, Any]:
+    """The c10d rendezvous' settings: who hosts it, and how soon a round forms without a lost
+    node (launcher.rdzv_* in framework/config/schemas.py)."""
+    settings: dict[str, Any] = {
+        "last_call_timeout": launcher.rdzv_last_call_s,
+        "keep_alive_interval": launcher.rdzv_keep_alive_s,
+        "keep_alive_max_attempt": launcher.rdzv_keep_alive_attempts,
+    }
+    if max_nodes > 1:  # torch would guess from the hostname, which fails for a bare address
+        settings["is_host"] = bool(launcher.rdzv_host)
+    return settings
 
 
 def _elastic_worker(

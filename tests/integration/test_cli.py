@@ -168,6 +168,9 @@ BAD_INPUT = [
     (["comm=powersgd", "comm.compress=fp8"], ["comm.compress=fp8", "expected one of [fp16, bf16]"]),
     (["trainer.on_nonfinite=ignore"], ["trainer.on_nonfinite=ignore", "one of [stop, skip]"]),
     (["trainer.max_step=5"], ["trainer.max_step", "not in 'TrainerConfig'"]),
+    (["launcher=torchrun", "launcher.nnodes=2:1"], ["launcher.nnodes=2:1", "MIN:MAX"]),
+    (["launcher=torchrun", "launcher.nnodes=1:2"], ["elastic range", "launcher.max_restarts>=1"]),
+    (["launcher=torchrun", "launcher.nnodes=2"], ["give every node the same hydra.run.dir"]),
     (["+trainer.max_step=5"], ["did you mean trainer.max_steps?"]),
     (["+model.hiden=3"], ["model.hiden is not a setting of", "it takes in_channels"]),
 ]

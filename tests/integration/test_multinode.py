@@ -3,16 +3,22 @@ NNODES=2 from each forms one 2-rank job across them (c10d rendezvous over the li
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import DIST_ENV_VARS, FAULTS, REPO, read_metrics
-from tests.faults import assert_same_weights, final_weights
+from tests.conftest import DIST_ENV_VARS, FAULTS, REPO, read_metrics, run_cli, train_losses
+from tests.faults import FAULT_ENV, assert_same_weights, final_weights
+from tests.integration.test_faults import processes_mentioning
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 HOSTS = {"a": "10.77.0.1", "b": "10.77.0.2"}
@@ -98,3 +104,160 @@ def test_torchrun_across_two_namespaces_trains_like_a_local_two_rank_job(
         e.get("train/loss") for e in read_metrics(reference)
     ]
     assert_same_weights(final_weights(run_dir), final_weights(reference))
+
+
+# An elastic job of 1 to 2 nodes, 1 rank each. Rank 0 sleeps 0.3 s per step from its 5th
+# (tests/faults.py): time to see a checkpoint and kill the other node mid-training. 4 steps per
+# epoch on 2 ranks: the checkpoint at step 6 is mid-epoch, so the single rank left continues
+# the epoch from its global sample position (the second half of epoch 1).
+ELASTIC_STEPS = 40
+ELASTIC = (
+    *FAULTS,
+    f"trainer.max_steps={ELASTIC_STEPS}",
+    "checkpoint.every=6",
+    "checkpoint.keep=100",  # the checkpoint the restart resumed from is still there at the end
+    # A node that vanishes without closing its connections is noticed when a collective times out.
+    "dist.timeout_s=10",
+)
+RENDEZVOUS = (
+    "launcher=torchrun",
+    "launcher.nnodes=1:2",
+    "launcher.nproc_per_node=1",
+    "launcher.max_restarts=1",
+    f"launcher.rdzv_endpoint={HOSTS['a']}:29556",
+    # A lost node is dropped after 1 s x 3 missed keep-alives; a round then starts 5 s after
+    # its first node joined: the survivor trains again about 10 s after the loss.
+    "launcher.rdzv_keep_alive_s=1",
+    "launcher.rdzv_keep_alive_attempts=3",
+    "launcher.rdzv_last_call_s=5",
+)
+
+
+def _start_node(
+    host: str, namespace: str, run_dir: Path, cwd: Path, script: bool
+) -> subprocess.Popen:
+    """`train launcher=torchrun ...` on one node, or (script) launchers/torchrun.sh with the
+    same settings in its environment variables."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME=namespace,
+        FRAMEWORK_TEST_FAULT="slow:0:5",
+    )
+    if script:  # its run dir is outputs/torchrun/<RUN_ID> in the (shared) working dir
+        env.update(
+            NNODES="1:2",
+            NPROC="1",
+            MAX_RESTARTS="1",
+            RDZV_ENDPOINT=f"{HOSTS['a']}:29556",
+            RUN_ID=run_dir.name,
+            LOCAL_ADDR=HOSTS[host],
+            RDZV_HOST="1" if host == "a" else "0",
+            RDZV_CONF="last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+        )
+        command = ["bash", str(REPO / "launchers" / "torchrun.sh"), *ELASTIC]
+    else:
+        command = [sys.executable, "-m", "framework.cli", *ELASTIC, *RENDEZVOUS]
+        command += [
+            f"launcher.local_addr={HOSTS[host]}",
+            f"launcher.rdzv_host={str(host == 'a').lower()}",
+            f"hydra.run.dir={run_dir}",
+        ]
+    with open(cwd / f"node_{host}.out", "w") as output:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", namespace, *command],
+            cwd=cwd,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: killed whole, as a lost node
+        )
+
+
+def _kill_node(namespace: str) -> None:
+    """SIGKILL to every process of the node (torchrun starts its ranks in sessions of their own:
+    a process group is not the whole node)."""
+    found = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    for pid in found.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def _wait_for(condition, node: subprocess.Popen, timeout_s: float, what: str) -> float:
+    """Seconds until condition() holds, while `node` runs."""
+    started = time.monotonic()
+    while not condition():
+        assert node.poll() is None, f"node ended (code {node.returncode}) before {what}"
+        assert time.monotonic() - started < timeout_s, f"no {what} within {timeout_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    ("launch", "loss"),
+    [("launcher", "killed"), ("launcher", "unplugged"), ("script", "killed")],
+)
+def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint(
+    two_hosts, tmp_path, launch, loss
+):
+    """launcher: `train launcher=torchrun`; script: launchers/torchrun.sh. killed: node b's
+    processes die, and their connections close (node a's next collective fails at once).
+    unplugged: node b's link goes down first, so nothing reaches node a and its collective times
+    out (dist.timeout_s)."""
+    # One run dir for both nodes: a shared file system.
+    script = launch == "script"
+    run_dir = tmp_path / "outputs" / "torchrun" / "elastic" if script else tmp_path / "run"
+    # Node b first: it waits for node a's rendezvous store, so both join within the last call.
+    node_b = _start_node("b", two_hosts["b"], run_dir, tmp_path, script)
+    node_a = _start_node("a", two_hosts["a"], run_dir, tmp_path, script)
+    log_file = run_dir / "train.log"
+    try:
+        _wait_for(
+            (run_dir / "checkpoints" / "step_00000006.pt").exists, node_a, 180, "checkpoint 6"
+        )
+        assert node_b.poll() is None
+        if loss == "unplugged":
+            _ip("-n", two_hosts["b"], "link", "set", two_hosts["b"], "down")
+        _kill_node(two_hosts["b"])  # the node is gone: agent, fork server, rank
+        delay = _wait_for(lambda: "world_size=1" in log_file.read_text(), node_a, 120, "restart")
+        node_a.wait(timeout=120)
+    finally:
+        for node in (node_a, node_b):
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    output = (tmp_path / "node_a.out").read_text()
+    assert node_a.returncode == 0, output[-4000:]
+    # Unplugged, the survivor learned it from the timeout, and said so in one line.
+    timed_out = "rank 0 waited dist.timeout_s=10 s in a collective without an answer"
+    assert (timed_out in output) is (loss == "unplugged"), output[-4000:]
+    log = log_file.read_text()
+    # Two ranks first, then one, from the newest checkpoint written before the loss.
+    assert log.index("world_size=2") < log.index("world_size=1"), log[-3000:]
+    resumed = re.search(r"resumed from (\S+step_(\d+)\.pt) at step (\d+)", log)
+    assert resumed is not None, log[-3000:]
+    checkpoint, step = Path(resumed[1]), int(resumed[3])
+    assert step >= 6 and "written by 2 ranks, on 1" in log
+    # One metrics event per step: none lost at the checkpoint, none left from after it.
+    events = [e for e in read_metrics(run_dir) if "train/loss" in e]
+    assert [e["step"] for e in events] == list(range(1, ELASTIC_STEPS + 1))
+    losses = [e["train/loss"] for e in events]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    # The same as resuming that checkpoint on one rank by hand.
+    reference = tmp_path / "reference"
+    by_hand = run_cli(
+        *ELASTIC,
+        "launcher.nproc_per_node=1",
+        f"checkpoint.resume={checkpoint}",
+        f"hydra.run.dir={reference}",
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1", FAULT_ENV: None},
+    )
+    assert by_hand.returncode == 0, by_hand.stderr[-3000:]
+    assert train_losses(reference) == losses[step:]
+    assert_same_weights(final_weights(run_dir), final_weights(reference))
+    print(f"{launch}, node {loss} -> the survivor's rank started again: {delay:.1f} s")
+    time.sleep(1)
+    assert not processes_mentioning(str(tmp_path))

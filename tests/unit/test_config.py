@@ -17,6 +17,7 @@ from framework.components.optim import build_optimizer, scaled_lr
 from framework.config import schemas, validate
 from framework.config.registry import SCHEMAS
 from framework.config.settings import must_match_in_eval, resumable_keys, training_settings
+from framework.config.validation import node_range
 from framework.core.exits import ConfigError
 from tests.conftest import CONF_DIR, make_cfg
 
@@ -128,6 +129,15 @@ def test_oversubscribe_insists_on_more_ranks_than_the_machine_holds():
     validate(make_cfg("launcher.nproc_per_node=1000", "launcher.oversubscribe=true"))
 
 
+@pytest.mark.parametrize(
+    ("nnodes", "expected"), [("2", (2, 2)), ("1:2", (1, 2)), ("2:4", (2, 4)), ("3:3", (3, 3))]
+)
+def test_launcher_nnodes_is_a_number_or_an_elastic_range(nnodes, expected):
+    cfg = make_cfg("launcher=torchrun", f"launcher.nnodes={nnodes}", "launcher.max_restarts=1")
+    validate(cfg)
+    assert node_range(cfg.launcher.nnodes) == expected
+
+
 def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
     """torchvision's resnet18(**kwargs) takes zero_init_residual without naming it."""
     validate(make_cfg("model._target_=torchvision.models.resnet18", "+model.zero_init_residual=1"))
@@ -145,6 +155,12 @@ def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
         (["trainer.max_steps=null", "trainer.max_epochs=null"], "trainer.max_steps"),
         (["trainer.ema_decay=1.5"], "trainer.ema_decay"),
         # Gradients sharded by FSDP: DDP's comm hooks and amp's GradScaler cannot run.
+        # launcher.nnodes: N, or MIN:MAX for an elastic job, which restarts after a lost node.
+        (["launcher=torchrun", "launcher.nnodes=2:1"], "launcher.nnodes=2:1 is not a number"),
+        (["launcher=torchrun", "launcher.nnodes=0:2"], "1 <= MIN <= MAX"),
+        (["launcher=torchrun", "launcher.nnodes=a:b"], "launcher.nnodes=a:b is not a number"),
+        (["launcher=torchrun", "launcher.nnodes=0"], "give N >= 1"),
+        (["launcher=torchrun", "launcher.nnodes=1:2"], "set launcher.max_restarts>=1"),
         (["strategy=fsdp", "comm=powersgd"], "comm=powersgd is a DDP comm hook"),
         (["strategy=fsdp", "comm=fp16"], "use comm=allreduce with strategy=fsdp"),
         (["strategy=fsdp", "precision=amp"], "GradScaler needs whole gradients on every rank"),

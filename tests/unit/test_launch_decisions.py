@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from framework.config.validation import joins_other_node, node_range
 from framework.core.launch_context import detect
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start
+from framework.launch.torchrun_agent import rendezvous_settings
 from tests.conftest import make_cfg
 
 TORCHRUN_RANK_0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "j"}
@@ -67,3 +69,30 @@ def test_a_slurm_task_of_rank_1_adopts_rank_0s_config_without_reading_its_own(mo
     assert adopts_rank_zero_config(here)
     # Decided from the launch context alone: the launcher node is not read (rank 0's comes later).
     assert how_ranks_start(None, here) is Start.SLURM_FOLLOWER
+
+
+@pytest.mark.parametrize(
+    ("overrides", "joins", "is_host"),
+    [
+        ([], False, None),  # one node hosts its own rendezvous (torch sees localhost)
+        (["launcher.nnodes=2"], True, False),
+        (["launcher.nnodes=1:2", "launcher.max_restarts=1"], True, False),
+        (
+            ["launcher.nnodes=1:2", "launcher.max_restarts=1", "launcher.rdzv_host=true"],
+            False,
+            True,
+        ),
+    ],
+)
+def test_the_rendezvous_host_holds_a_multi_node_jobs_run_dir(overrides, joins, is_host):
+    """Every node of a multi-node launcher=torchrun job gives the same hydra.run.dir; the node
+    that hosts the rendezvous holds it, the others join it (and c10d is told which is which)."""
+    launcher = make_cfg("launcher=torchrun", *overrides).launcher
+    assert joins_other_node(launcher) is joins
+    settings = rendezvous_settings(launcher, node_range(launcher.nnodes)[1])
+    assert settings.get("is_host") is is_host
+    assert settings["last_call_timeout"] == launcher.rdzv_last_call_s
+
+
+def test_only_torchrun_jobs_join_another_nodes_run_dir():
+    assert not joins_other_node(make_cfg().launcher)
