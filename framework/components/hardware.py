@@ -177,7 +177,9 @@ class HardwareMeter:
         """[0, ..., this rank's peak MiB, ..., 0]: summed over the ranks, every rank's value."""
         rider = torch.zeros(self.world_size, dtype=torch.float64)
         rider[self.rank] = peak_memory_mib(self.device)
-        return rider.to(self.device)
+        if self.device.type == "cuda":  # pinned, the copy waits for no device work
+            rider = rider.pin_memory()
+        return rider.to(self.device, non_blocking=True)
 
     def metrics(self, steps: int, seconds: float, memory_mib: list[float]) -> dict[str, float]:
         """A log window of `steps` optimizer steps in `seconds`, and every rank's peak memory
