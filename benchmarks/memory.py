@@ -1,7 +1,10 @@
 """Memory per rank under strategy=ddp and strategy=fsdp, at 1, 2 and 4 ranks, on the GPT preset
 (experiment=char_gpt's model and batch), with fsdp's step time against ddp's on the same shape.
 
-    uv run python -m benchmarks memory [--rounds 2] [--ranks 1,2,4] [--steps 12]
+    uv run python -m benchmarks memory [--rounds 2] [--ranks 1,2,4] [--steps 12] [--model K=V ...]
+
+--model overrides the preset's model (e.g. --model model.width=384 model.layers=4): a larger
+model whose state stands out of the process's own resident memory.
 
 Per rank, exact from the local shards (DTensor.to_local() under fsdp) after the first optimizer
 step: parameter, gradient and optimizer-state bytes. Also per rank: the peak resident memory
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +44,9 @@ STRATEGIES = ("ddp", "fsdp")
 CPU = torch.device("cpu")
 
 
-def overrides(strategy: str, world_size: int, warmup: int, steps: int) -> list[str]:
+def overrides(
+    strategy: str, world_size: int, warmup: int, steps: int, model: Sequence[str] = ()
+) -> list[str]:
     """experiment=char_gpt as it ships (2 blocks of width 128, 4 heads, batch 16 x 64 tokens per
     rank, AdamW), for warm-up + measured steps: no evaluation on the way, no checkpoint."""
     return [
@@ -56,6 +62,7 @@ def overrides(strategy: str, world_size: int, warmup: int, steps: int) -> list[s
         "trainer.progress_bar=false",
         "checkpoint.every=0",
         "checkpoint.final=false",
+        *model,
     ]
 
 
@@ -102,7 +109,9 @@ def measured_train(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
     try:
         strategy, warmup = trial.extra["strategy"], trial.work.warmup
         result = run_train(
-            overrides(strategy, ctx.world_size, warmup, trial.work.steps), ctx, warmup
+            overrides(strategy, ctx.world_size, warmup, trial.work.steps, trial.extra["model"]),
+            ctx,
+            warmup,
         )
     finally:
         Runner._apply_update = original
@@ -127,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12, help="measured steps, after warm-up")
+    parser.add_argument("--model", nargs="*", default=[], help="overrides of the preset's model")
     args = parser.parse_args(argv)
     rank_counts = [int(n) for n in args.ranks.split(",")]
     work = Work(steps=args.steps, warmup=args.warmup)  # only its step counts are used
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Work(steps=1, warmup=1),
         world_size=max(rank_counts),
         label="pool warm-up",
-        extra={"strategy": "ddp"},
+        extra={"strategy": "ddp", "model": args.model},
     )
     schedule = [
         Trial(
@@ -146,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             world_size=ranks,
             round=round_index,
             label=f"{ranks}x{strategy}",
-            extra={"strategy": strategy, "ranks": ranks},
+            extra={"strategy": strategy, "ranks": ranks, "model": args.model},
         )
         for ranks in rank_counts
         for round_index, strategy in interleave(list(STRATEGIES), args.rounds)
@@ -190,12 +200,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     record = {
         "rounds": args.rounds,
         "ranks": rank_counts,
-        "overrides": overrides("<strategy>", 0, args.warmup, args.steps),
+        "overrides": overrides("<strategy>", 0, args.warmup, args.steps, args.model),
         "runs": runs,
         "table": {"headers": headers, "rows": rows},
     }
     default = (args.ranks, args.rounds, args.steps, args.warmup) == ("1,2,4", 2, 12, 3)
-    write_result("memory" if default else "memory-partial", record)
+    name = "memory" if default else "memory-partial"
+    write_result(f"{name}-{'-'.join(args.model)}" if args.model else name, record)
     return record
 
 

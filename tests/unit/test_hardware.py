@@ -15,8 +15,8 @@ from framework.components.hardware import (
     peak_memory_mib,
     table_peak_tflops,
 )
-from framework.components.models import MLP
-from framework.components.tasks import Classification
+from framework.components.models import GPT, MLP
+from framework.components.tasks import Classification, LanguageModel
 from tests.faults import HostReadingMLP
 
 CPU = torch.device("cpu")
@@ -59,6 +59,26 @@ def test_mlp_flops_are_the_exact_matmul_count_counted_on_the_meta_device():
 def test_a_model_the_meta_device_cannot_run_is_counted_on_the_real_device():
     flops, where = count(HostReadingMLP, [16])
     assert (flops, where) == (mlp_flops(MLP(1, 8, 10, [16]), 32), "cpu")
+
+
+def test_gpt_flops_are_six_per_parameter_and_token_plus_attention():
+    """Every matmul weight (per block qkv 3d^2, proj d^2, MLP 8d^2; the tied head V*d) does 6
+    FLOPs per token (forward 2, backward 4); attention's two [T, T] products do 4*B*T^2*d
+    forward and twice that backward per layer, the causal mask's zeros included."""
+    layers, width, vocab, batch_size, tokens = 2, 32, 50, 3, 16
+    flops, where = micro_batch_flops(
+        LanguageModel(),
+        lambda: GPT(vocab, block_size=tokens, layers=layers, heads=4, width=width),
+        (
+            torch.randint(0, vocab, (batch_size, tokens)),
+            torch.randint(0, vocab, (batch_size, tokens)),
+        ),
+        CPU,
+        lambda b, device: to_device(b, device, False),
+    )
+    weights = layers * 12 * width**2 + vocab * width
+    attention = layers * 12 * batch_size * tokens**2 * width
+    assert (flops, where) == (6 * weights * batch_size * tokens + attention, "meta")
 
 
 @pytest.mark.parametrize(
