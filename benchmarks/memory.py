@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     default = (args.ranks, args.rounds, args.steps, args.warmup) == ("1,2,4", 2, 12, 3)
     name = "memory" if default else "memory-partial"
-    write_result(f"{name}-{'-'.join(args.model)}" if args.model else name, record)
+    shape = "-".join(o.removeprefix("model.").replace("=", "") for o in args.model)
+    write_result(f"{name}-{shape}" if shape else name, record)
     return record
 
 
