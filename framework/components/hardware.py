@@ -64,10 +64,10 @@ MIB = 2**20
 def table_peak_tflops(device_name: str, precision: str) -> tuple[str, float] | None:
     """(the table's name for the device, its dense peak TFLOP/s at this precision), or None
     when the device is not in the table (or lacks that precision's tensor cores)."""
+    column = PRECISION_COLUMN.get(precision)  # None: a precision option of your own
     for pattern, name, peaks in PEAK_TFLOPS:
-        if re.search(pattern, device_name, flags=re.IGNORECASE):
-            peak = peaks[PRECISION_COLUMN[precision]]
-            return (name, peak) if peak > 0 else None
+        if column is not None and re.search(pattern, device_name, flags=re.IGNORECASE):
+            return (name, peaks[column]) if peaks[column] > 0 else None
     return None
 
 

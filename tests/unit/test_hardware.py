@@ -99,6 +99,7 @@ def test_gpt_flops_are_six_per_parameter_and_token_plus_attention():
         ("Tesla V100-SXM2-16GB", "bf16", None),  # no bf16 tensor cores
         ("NVIDIA A10G", "bf16", None),  # not an A10, not an A100: not in the table
         ("Some Future GPU", "bf16", None),
+        ("NVIDIA H100 80GB HBM3", "my_precision", None),  # a precision option of a user's own
     ],
 )
 def test_the_peak_table_matches_torchs_device_names(name, precision, expected):
