@@ -10,6 +10,8 @@ written to benchmarks/results/<name>.json (and a PNG where it plots).
     presets    each experiment preset as users run it, its result next to a baseline
     command    train / a torchrun loop / Lightning as whole commands: speed and its spread,
                a short job, each further sweep job, the time to refuse a mistake
+    memory     bytes and peak memory per rank, ddp vs fsdp at 1, 2 and 4 ranks (GPT preset),
+               and fsdp's step time against ddp's
     all        every one of the above, in that order
 
 `python -m benchmarks <name> --help` lists a benchmark's options.
@@ -21,7 +23,17 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ("overhead", "startup", "comm", "accuracy", "scaling", "speed", "presets", "command")
+BENCHMARKS = (
+    "overhead",
+    "startup",
+    "comm",
+    "accuracy",
+    "scaling",
+    "speed",
+    "presets",
+    "command",
+    "memory",
+)
 
 
 def main(argv: list[str]) -> None:

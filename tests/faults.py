@@ -33,7 +33,9 @@ class _Faults:
     """Counts training forwards and says when the fault in FRAMEWORK_TEST_FAULT is due."""
 
     def _init_faults(self) -> None:
-        self.fault = os.environ.get(FAULT_ENV)
+        # A copy built on the meta device (the FLOP count's) acts no fault: only the trained model.
+        on_meta = any(parameter.is_meta for parameter in self.parameters())
+        self.fault = None if on_meta else os.environ.get(FAULT_ENV)
         self.calls = 0
 
     def _fault_due(self) -> str | None:
@@ -65,6 +67,16 @@ class FaultyMLP(_Faults, MLP):
                 return super().forward(x) * float("nan")
             if kind:
                 _act(kind)
+        return super().forward(x)
+
+
+class HostReadingMLP(FaultyMLP):
+    """FaultyMLP whose forward reads a value on the host, which the meta device cannot give:
+    the FLOP count then runs on the real device (framework/components/hardware.py)."""
+
+    def forward(self, x):
+        if float(x.abs().amax()) < 0:  # never true: only the host read matters
+            x = -x
         return super().forward(x)
 
 

@@ -645,6 +645,13 @@ class TrainerConfig:
     # torch.profiler trace of these optimizer steps on rank 0 ([first, last], e.g. [10, 12]) into
     # <run dir>/profile/ (TensorBoard's profiler plugin or Perfetto open it); []: off.
     profile_steps: list[int] = field(default_factory=list)
+    # Count the model's FLOPs once (one micro-batch's forward + backward, on the meta device
+    # where it runs there) for the logged tflops_per_s and mfu; false: neither is logged.
+    count_flops: bool = setting(True, resumable=True)
+    # One device's dense peak TFLOP/s, for mfu. null: the GPU's from the table in
+    # framework/components/hardware.py (by its name and the precision); on a CPU, or a GPU the
+    # table lacks, no mfu is logged unless this is set.
+    peak_tflops: float | None = setting(None, resumable=True)
 
 
 @dataclass

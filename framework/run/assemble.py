@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.components.data import Loaders, Splits, build_loaders, load_splits, to_device
 from framework.components.ema import EMA
+from framework.components.hardware import HardwareMeter, device_peak_tflops, micro_batch_flops
 from framework.components.loggers import build_sink, setup_logging
 from framework.components.optim import build_optimizer, scaled_lr
 from framework.components.precision import Precision
@@ -159,6 +160,7 @@ def _train(
     checkpointer.logger_ids = sink.run_ids
     try:
         trainer = SimpleNamespace(**OmegaConf.to_container(t))
+        meter = build_meter(cfg, env, device, task, splits, loaders, precision.name)
         runner = Runner(
             env=env,
             device=device,
@@ -175,6 +177,7 @@ def _train(
             ),
             # Stop signals travel on a CPU (gloo) group, also when training uses NCCL.
             signals=SignalExchange(env, requests, host_group(env, backend)),
+            meter=meter,
         )
         if resumed:
             path, payload = resumed
@@ -284,6 +287,59 @@ def check_task(
     with preserved_rng():
         task.check(module, to_device(batch, device))
     module.train()
+
+
+def build_meter(
+    cfg: DictConfig,
+    env: DistEnv,
+    device: torch.device,
+    task: Task,
+    splits: Splits,
+    loaders: Loaders,
+    precision: str,
+) -> HardwareMeter:
+    """The logged hardware metrics: the FLOPs of one optimizer step of the whole job
+    (trainer.count_flops) and one device's peak for MFU (trainer.peak_tflops or the table)."""
+    t = cfg.trainer
+    step_flops = step_flops_of(cfg, env, device, task, splits, loaders) if t.count_flops else None
+    peak = device_peak_tflops(t.peak_tflops, device, precision)
+    return HardwareMeter(step_flops, peak, device, env.rank, env.world_size)
+
+
+def step_flops_of(
+    cfg: DictConfig,
+    env: DistEnv,
+    device: torch.device,
+    task: Task,
+    splits: Splits,
+    loaders: Loaders,
+) -> int | None:
+    """One micro-batch's FLOPs (forward + backward, on the first training batch and a fresh copy
+    of the model: the trained model, the optimizer and the RNG streams stay as they were) x
+    micro-batches per step x ranks."""
+    batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
+    with preserved_rng():
+        flops, where = micro_batch_flops(
+            task,
+            lambda: instantiate(cfg.model),
+            batch,
+            device,
+            lambda batch, to: to_device(batch, to, False),
+        )
+    if flops is None:
+        return None
+    step_flops = flops * cfg.trainer.grad_accum * env.world_size
+    log.info(
+        "model FLOPs per optimizer step: %.4g = %.4g per micro-batch of %d x %d micro-batches x "
+        "%d ranks (forward + backward, counted on %s)",
+        step_flops,
+        flops,
+        loaders.train.batch_size,
+        cfg.trainer.grad_accum,
+        env.world_size,
+        where,
+    )
+    return step_flops
 
 
 def write_artifacts(

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from framework.components.data import Loaders, to_device
+from framework.components.hardware import HardwareMeter
 from framework.components.loggers import MetricSink
 from framework.components.strategy import local
 from framework.components.tasks import Task
@@ -85,10 +86,12 @@ class Runner:
         outputs: Outputs,
         selection: Selection,
         signals: SignalExchange,
+        meter: HardwareMeter,  # FLOP/s, MFU and peak memory on logging steps
     ) -> None:
         self.env, self.device, self.cfg, self.task = env, device, trainer, task
         self.model, self.loaders, self.selection, self.signals = model, loaders, selection, signals
         self.sink, self.checkpointer = outputs.sink, outputs.checkpointer
+        self.meter = meter
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
         self.precision, self.comm = optimization.precision, optimization.comm
         self.params = list(model.module.parameters())  # walked every step: listed once
@@ -385,10 +388,12 @@ class Runner:
 
     # --- sinks ------------------------------------------------------------------------------
     def log_train(self, lr: float) -> None:
-        # The window's sums over all ranks ride on the look's all-reduce: the logging step's
-        # one collective and one read of the device.
+        # The window's sums and every rank's peak memory (each rank in its own slot) ride on
+        # the look's all-reduce: the logging step's one collective and one read of the device.
         window = self.window
-        loss, count, *sums = self.look_for_nonfinite(rider=window.totals)
+        memory = self.meter.memory_rider()
+        summed = self.look_for_nonfinite(rider=torch.cat([window.totals, memory]))
+        (loss, count, *sums), memory_mib = summed[: -len(memory)], summed[-len(memory) :]
 
         def per_item(total: float) -> float:  # NaN when every update of the window was dropped
             return total / count if count else math.nan
@@ -405,6 +410,7 @@ class Runner:
                 **train_sums,
                 "lr": lr,
                 "samples_per_s": steps * self.global_batch_size / max(seconds, 1e-9),
+                **self.meter.metrics(steps, seconds, memory_mib),
                 "train/nonfinite_skipped": self.state.nonfinite_skipped,
                 **self.precision.metrics(),
                 **self.comm.metrics(),
@@ -495,6 +501,7 @@ class Runner:
             "global_batch_size": self.global_batch_size,
             "samples_per_s": self.state.samples_seen / max(self.state.train_seconds, 1e-9),
             "wall_s": wall_s,
+            **self.meter.summary(self.state.step, self.state.train_seconds),
             **self.precision.metrics(),
             **self.comm.metrics(),
         }
