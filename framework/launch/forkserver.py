@@ -13,6 +13,7 @@ training stack (torch._dynamo and what is built on it).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -106,10 +107,44 @@ def launcher_context() -> tuple[dict[str, str], str, list[_LaunchersFd]]:
     return environ, os.getcwd(), [_LaunchersFd(1), _LaunchersFd(2)]
 
 
+# glibc's mallopt parameters (malloc.h), and the largest mmap threshold it accepts on 64-bit.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_LARGEST_MMAP_THRESHOLD = 32 << 20
+
+
+def keep_freed_heap(environ: dict[str, str]) -> None:
+    """glibc's malloc in this rank keeps what a training step frees for the next step, instead
+    of giving it back to the OS and faulting it in again (docs/benchmarks.md, "run-to-run
+    spread": measured with perf and strace on `train`'s ranks and a plain torchrun loop's).
+
+    By default glibc trims the top of its heap once more than twice its (moving) mmap threshold
+    lies free there. Whether a step's freed activations and gradients (blocks of 1 to 8 MB for
+    the small CNN) end up there depends on where the small objects allocated meanwhile landed:
+    ranks forked from the fork server's large heap flipped between trimming and growing their
+    heap every step (thousands of page faults a second) and not at all, per rank and from one
+    minute to the next, and DDP runs at the pace of the slower rank.
+
+    Fixed thresholds (they also stop the threshold moving): blocks under 32 MB come from the heap,
+    which is never trimmed, so it stays at the size of the busiest step; larger blocks are their
+    own mappings, given back when freed, as before. Left alone where the user set glibc's malloc
+    thresholds, and where the C library has no mallopt."""
+    chosen = {"MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"} & set(environ)
+    if chosen or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        return
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return
+    mallopt(_M_MMAP_THRESHOLD, _LARGEST_MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, -1)  # -1: never trim
+
+
 def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
     """In the rank, first thing: the launcher's environment, working dir and output streams,
-    plus what was set in this process since its fork (the elastic agent's variables). From
-    now on it ends when the launcher does (framework/launch/launcher_watch.py)."""
+    plus what was set in this process since its fork (the elastic agent's variables), and a
+    heap that keeps what a step frees (keep_freed_heap). From now on it ends when the launcher
+    does (framework/launch/launcher_watch.py)."""
+    keep_freed_heap(environ)
     set_since_fork = {
         name: value for name, value in os.environ.items() if _SERVER_ENVIRON.get(name) != value
     }

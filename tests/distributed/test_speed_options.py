@@ -3,7 +3,9 @@ their fork server start and end."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import resource
 import subprocess
 import sys
 
@@ -52,6 +54,38 @@ def test_a_ranks_data_loader_workers_fork_from_the_rank_instead_of_importing_tor
     """Ranks are forked from the launcher's fork server, whose start method a child inherits:
     each rank's workers would come from a new fork server that imports torch from scratch."""
     start_ranks(_read_with_two_workers, ())
+
+
+def _page_faults_per_step_of_a_heap_step(rank: int) -> None:
+    """A step's worth of heap blocks (40 of 1 MB, below glibc's mmap threshold), written and
+    freed as a training step's activations are, repeated: the repeats fault no page in."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+
+    def step(blocks: int = 40, size: int = 1 << 20) -> None:
+        pointers = [libc.malloc(size) for _ in range(blocks)]
+        for pointer in pointers:
+            libc.memset(pointer, 1, size)
+        for pointer in reversed(pointers):
+            libc.free(pointer)
+
+    step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        step()
+    per_step = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
+    # glibc's defaults trim the 40 MB and fault them in again: about 10,000 faults a step here.
+    assert per_step < 100, f"{per_step:.0f} page faults a step: the heap gave the step back"
+
+
+def test_a_rank_keeps_what_a_step_frees_for_the_next_step_instead_of_faulting_it_in_again():
+    """framework/launch/forkserver.py keep_freed_heap: a step that frees its blocks at the top
+    of glibc's heap got them trimmed and faulted in again, or not, by chance of the heap's
+    layout: our ranks' run-to-run spread (docs/benchmarks.md)."""
+    start_ranks(_page_faults_per_step_of_a_heap_step, (), nprocs=1)
 
 
 TEARDOWN_PROBE = """

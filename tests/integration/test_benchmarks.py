@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from benchmarks.command import commands, ratios_to_plain
 from benchmarks.common import Trial, Work, interleave, run_ours, run_pool, steady_samples_per_s
 from benchmarks.plain import plain_loop
 from tests.conftest import REPO
@@ -29,6 +30,30 @@ def test_interleave_puts_every_contender_in_every_position():
     order = interleave(["a", "b", "c"], 3)
     rounds = [[label for round_, label in order if round_ == r] for r in range(3)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+
+
+def test_the_command_benchmark_runs_train_as_of_an_earlier_revision_on_the_same_work(tmp_path):
+    work = Work(model="cnn", steps=5, warmup=2)
+    found = commands(work, tmp_path, before=("abc123", tmp_path / "tree"))
+    earlier = found["train @abc123"]
+    assert earlier[:2] == ["env", f"PYTHONPATH={tmp_path / 'tree'}"]
+    assert earlier[-len(found["train"]) + 1 :] == found["train"][1:]  # the same overrides
+
+
+def test_the_command_benchmark_compares_each_contender_with_the_plain_run_of_its_round():
+    runs = {
+        "train": [{"samples_per_s": 110.0}, {"samples_per_s": 90.0}, {"samples_per_s": 100.0}],
+        "plain torchrun": [
+            {"samples_per_s": 100.0},
+            {"samples_per_s": 100.0},
+            {"samples_per_s": 80.0},
+        ],
+        "train mistake": [{"command_s": 3.0}] * 3,
+    }
+    ratios = ratios_to_plain(runs)
+    assert list(ratios) == ["train"]
+    assert ratios["train"]["ratio_of_medians"] == pytest.approx(1.0)
+    assert ratios["train"]["round_ratios"] == pytest.approx([1.1, 0.9, 1.25])
 
 
 def _fails(trial, ctx):
