@@ -596,11 +596,9 @@ class Checkpointer:
 
 
 def _start_partial(partial: Path, payload: dict[str, Any]) -> None:
-    """The folder a sharded save writes into, holding rank 0's state.pt (a partial left by a
-    save of the same step that was killed is ours, and incomplete: replaced)."""
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    """The folder a sharded save writes into, holding rank 0's state.pt. The other ranks' DCP
+    writers may create it first; partial folders of killed saves were removed at the start."""
+    partial.mkdir(parents=True, exist_ok=True)
     atomic_write(partial / sharded.STATE_FILE, lambda file: torch.save(payload, file))
 
 
