@@ -120,7 +120,9 @@ def _train(
     log.info("Instantiating precision <%s>", cfg.precision._target_)
     precision = instantiate(cfg.precision)(device=device)
     model = build_model(cfg, env, device, precision.param_dtype)
-    check_task(task, model.module, splits, loaders, device)
+    # Read once: the pre-flight check and the FLOPs count run on the same first batch.
+    train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
+    check_task(task, model.module, train_batch, device)
     startup_clock.mark("model")
     if cfg.mode == "eval":
         return evaluate_checkpoint(cfg, run, env, device, task, loaders, model)
@@ -160,7 +162,7 @@ def _train(
     checkpointer.logger_ids = sink.run_ids
     try:
         trainer = SimpleNamespace(**OmegaConf.to_container(t))
-        meter = build_meter(cfg, env, device, task, splits, loaders, precision.name)
+        meter = build_meter(cfg, env, device, task, train_batch, precision.name)
         runner = Runner(
             env=env,
             device=device,
@@ -276,13 +278,10 @@ def preserved_rng() -> Iterator[None]:
 
 
 @torch.no_grad()
-def check_task(
-    task: Task, module: torch.nn.Module, splits: Splits, loaders: Loaders, device: torch.device
-) -> None:
+def check_task(task: Task, module: torch.nn.Module, batch: Any, device: torch.device) -> None:
     """The task on a real training batch, before anything is written: a task that cannot read
     the data, or a model whose outputs do not fit it, is a ConfigError naming the fix (every
     rank sees the same batch and raises alike). Eval mode and saved RNG: training is unchanged."""
-    batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
     module.eval()
     with preserved_rng():
         task.check(module, to_device(batch, device))
@@ -294,14 +293,13 @@ def build_meter(
     env: DistEnv,
     device: torch.device,
     task: Task,
-    splits: Splits,
-    loaders: Loaders,
+    batch: Any,
     precision: str,
 ) -> HardwareMeter:
     """The logged hardware metrics: the FLOPs of one optimizer step of the whole job
     (trainer.count_flops) and one device's peak for MFU (trainer.peak_tflops or the table)."""
     t = cfg.trainer
-    step_flops = step_flops_of(cfg, env, device, task, splits, loaders) if t.count_flops else None
+    step_flops = step_flops_of(cfg, env, device, task, batch) if t.count_flops else None
     peak = device_peak_tflops(t.peak_tflops, device, precision)
     return HardwareMeter(step_flops, peak, device, env.rank, env.world_size)
 
@@ -311,13 +309,11 @@ def step_flops_of(
     env: DistEnv,
     device: torch.device,
     task: Task,
-    splits: Splits,
-    loaders: Loaders,
+    batch: Any,
 ) -> int | None:
     """One micro-batch's FLOPs (forward + backward, on the first training batch and a fresh copy
     of the model: the trained model, the optimizer and the RNG streams stay as they were) x
     micro-batches per step x ranks."""
-    batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
     with preserved_rng():
         flops, where = micro_batch_flops(
             task,
@@ -334,7 +330,7 @@ def step_flops_of(
         "%d ranks (forward + backward, counted on %s)",
         step_flops,
         flops,
-        loaders.train.batch_size,
+        cfg.data.batch_size,
         cfg.trainer.grad_accum,
         env.world_size,
         where,
