@@ -27,7 +27,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -72,6 +77,10 @@ class DDP:
     ) -> nn.Module:
         """What forward and backward run on (the bare module on one rank)."""
         return wrap_ddp(module, device, ddp_options) if env.distributed else module
+
+    def gather_around(self, module: nn.Module, methods: Iterable[str]) -> None:
+        """Let `module`'s methods besides forward (a VAE's decode) run on it as forward does:
+        whole parameters are on every rank, nothing to do."""
 
     def no_sync(self, train: nn.Module, module: nn.Module) -> contextlib.AbstractContextManager:
         """Backward accumulates gradients locally: no communication until the last
@@ -171,6 +180,15 @@ class FSDP(DDP):
                 "them, or null for the model's default"
             )
         return tuple(self.block_classes)
+
+    def gather_around(self, module: nn.Module, methods: Iterable[str]) -> None:
+        """FSDP gathers a sharded module's parameters only around forward: each named method
+        becomes a forward method for it (FSDP2's public hook; a collective, like forward).
+        Called for the artifacts after training only: a forward that calls such a method
+        (a VAE's forward calls decode) would reshard in the middle of a training step."""
+        for name in methods:
+            if isinstance(module, FSDPModule) and hasattr(module, name):
+                register_fsdp_forward_method(module, name)
 
     def no_sync(self, train: nn.Module, module: nn.Module) -> contextlib.AbstractContextManager:
         if not self.shards:

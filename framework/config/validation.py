@@ -411,11 +411,6 @@ def _check_fsdp(strategy: DictConfig, cfg: DictConfig) -> None:
         "precision=amp's GradScaler needs whole gradients on every rank and strategy=fsdp shards "
         "them: use precision=bf16 (or fp32) with strategy=fsdp, or strategy=ddp",
     )
-    require(
-        not issubclass(OmegaConf.get_type(cfg.task) or object, s.AutoencoderConfig),
-        "task=autoencoder draws its samples with the model's decode(), which strategy=fsdp does "
-        "not gather the sharded parameters for (only forward): use strategy=ddp",
-    )
     for name in strategy.block_classes or ():
         require(
             bool(name) and all(part.isidentifier() for part in str(name).split(".")),

@@ -194,6 +194,7 @@ def _train(
         sink.summary(summary)
         # A sharded model's forward is a collective: every rank makes them, rank 0 writes.
         if env.is_main or model.strategy.shards:
+            model.strategy.gather_around(model.evaluated, task.model_methods)
             made = write_artifacts(
                 task, model.evaluated, splits, loaders, device, run, write=env.is_main
             )

@@ -5,8 +5,10 @@ exact under padding and accumulation, and a language model resumed bit for bit."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from framework.core.exits import Stopped
 from tests.conftest import (
@@ -56,8 +58,7 @@ TASKS = {
         "data.val_fraction=0.19",
     ),  # 341
 }
-# task=autoencoder is refused under fsdp (its samples call decode(), which FSDP does not gather).
-UNDER_FSDP = ["regression", "language_model"]
+UNDER_FSDP = list(TASKS)
 COMMON = (
     "optimizer=adamw",
     "optimizer.lr=3e-3",
@@ -123,6 +124,23 @@ def test_the_tasks_under_fsdp_on_two_ranks_match_one_rank_at_batch_2b(parity_run
     assert two.keys() == whole.keys() and len(two) >= 1
     for name in two:
         assert two[name] == pytest.approx(whole[name], rel=1e-5), name
+
+
+def pixels(path) -> np.ndarray:
+    return np.asarray(Image.open(path)).astype(np.int16)
+
+
+@pytest.mark.parametrize("picture", ["samples.png", "reconstructions.png"])
+def test_the_autoencoder_under_fsdp_draws_ddps_pictures(parity_runs, picture):
+    """samples.png decodes draws with the model's decode(), which FSDP gathers the sharded
+    parameters for as it does for forward (else: a traceback after training)."""
+    sharded, whole = (
+        pixels(parity_runs / "autoencoder-fsdp" / picture),
+        pixels(parity_runs / "autoencoder-2" / picture),
+    )
+    assert sharded.shape == whole.shape
+    assert np.abs(sharded - whole).max() <= 1  # 8-bit rounding of float-tolerance weights
+    assert sharded.std() > 10  # a picture, not a blank
 
 
 def test_the_validation_sets_of_the_parity_runs_are_odd_sized():

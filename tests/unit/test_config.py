@@ -165,7 +165,6 @@ def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
         (["strategy=fsdp", "comm=fp16"], "use comm=allreduce with strategy=fsdp"),
         (["strategy=fsdp", "precision=amp"], "GradScaler needs whole gradients on every rank"),
         (["strategy=fsdp", "strategy.block_classes=[my block]"], "is not a class name"),
-        (["strategy=fsdp", "experiment=digits_vae"], "task=autoencoder draws its samples"),
         # Only a sharded checkpoint is written in the background (rank 0's file is not).
         (["checkpoint.async_save=true"], "add checkpoint.format=sharded"),
         (["strategy=fsdp", "checkpoint.format=file", "checkpoint.async_save=true"], "async_save"),

@@ -24,6 +24,7 @@ class Autoencoder(Task):
     name = "autoencoder"
     reads = "inputs to reconstruct (a tensor, or the first element / 'inputs' of a batch)"
     fix = "pick a data option with inputs to reconstruct"
+    model_methods = ("decode",)  # samples.png: draws from the prior, decoded
 
     def __init__(
         self,

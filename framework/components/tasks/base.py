@@ -68,6 +68,9 @@ class Task:
     # Each state's shape, as the pre-flight batch gave it (`check` sets it; evaluation packs
     # the states of every rank into one vector of these shapes, even on a rank with no batch).
     state_shapes: dict[str, tuple[int, ...]] = {}
+    # Methods besides forward that `artifacts` calls on the model (a VAE's decode): a sharding
+    # strategy gathers the parameters around them as it does around forward.
+    model_methods: ClassVar[tuple[str, ...]] = ()
     # What a batch must look like, for the message when it does not.
     reads: ClassVar[str] = "a batch"
     fix: ClassVar[str] = "pick a data option this task can read"
