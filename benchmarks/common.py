@@ -347,6 +347,12 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def spread(values: Sequence[float]) -> str:
+    """The median, and how far the highest and the lowest run lie from it."""
+    middle = median(values)
+    return f"{middle:.4g} (+{max(values) / middle - 1:.1%} / -{1 - min(values) / middle:.1%})"
+
+
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):

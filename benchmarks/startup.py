@@ -1,6 +1,7 @@
 """Start-up: seconds from the command to the end of a 1-step run (2 ranks, the default work: a
 small CNN on scikit-learn's digits), against the floor, one process importing what DDP needs
-(`python -c "import torch._dynamo"`), measured interleaved in the same run.
+(`python -c "import torch._dynamo"`), measured interleaved in the same run: each contender's
+median and spread (its slowest and fastest run against the median).
 
     uv run python -m benchmarks startup [--repeats 5]
 
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, interleave, median, table, write_result
+from benchmarks.common import REPO, interleave, median, spread, table, write_result
 
 TARGET_RATIO = 1.5
 STARTUP_LINE = re.compile(r"start-up: ([\d.]+) s to the first step \((.*)\)")
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [
         [
             name,
-            f"{seconds[name]:.2f} s",
+            spread([run["command_s"] for run in runs[name]]) + " s",
             f"**{seconds[name] / floor:.2f}x**"
             if name == "train"
             else f"{seconds[name] / floor:.2f}x",
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     phases = [run["phases"] for run in runs["train"] if "phases" in run]
     breakdown = {name: median([p[name] for p in phases]) for name in phases[0]} if phases else {}
     print(f"\nmedian of {args.repeats} interleaved runs (target: train <= {TARGET_RATIO}x floor):")
-    headers = ["command", "whole command", "vs the floor"]
+    headers = ["command", "whole command (median, spread)", "median vs the floor"]
     print(table(headers, rows))
     print(
         "\ntrain, where the time goes (medians, s): "
