@@ -291,14 +291,19 @@ def chosen_options(listed: str, parser: argparse.ArgumentParser) -> list[str]:
     return [option for option in CPU_LADDER if option in names or option == "fp32"]
 
 
+def folder_name(name: str) -> str:
+    """A contender's name as a folder Hydra takes as is in hydra.run.dir= (no spaces, brackets
+    or `=`): `train [num_workers=1]` -> train-num_workers-1."""
+    return re.sub(r"\W+", "-", name).strip("-")
+
+
 def run_rounds(
     names: list[str], build: Commands, root: Path, rounds: int, warmup: int
 ) -> dict[str, list[dict[str, Any]]]:
     """Every contender once a round, alternated (A B C, B C A, ...), each in a fresh scratch."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for round_index, name in interleave(names, rounds):
-        # A folder name Hydra takes as is in hydra.run.dir= (no spaces, brackets or `=`).
-        scratch = root / re.sub(r"[^\w-]+", "-", f"{name}-{round_index}")
+        scratch = root / f"{folder_name(name)}-{round_index}"
         measured = measure(name, build(scratch)[name], scratch, warmup)
         runs[name].append(measured)
         rate = measured.get("samples_per_s")
