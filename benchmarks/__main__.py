@@ -10,6 +10,7 @@ written to benchmarks/results/<name>.json (and a PNG where it plots).
     presets    each experiment preset as users run it, its result next to a baseline
     command    train / a torchrun loop / Lightning as whole commands: speed and its spread,
                a short job, each further sweep job, the time to refuse a mistake
+               (--options: the speed options, train vs the torchrun loop)
     memory     bytes and peak memory per rank, ddp vs fsdp at 1, 2 and 4 ranks (GPT preset),
                and fsdp's step time against ddp's
     all        every one of the above, in that order

@@ -20,6 +20,17 @@ benchmark's work or on one of the `overhead` benchmark's (`--work cnn-8x8`, `--w
 pooled figures' work, through the command. `--before REV` adds `train` as of git revision REV
 (its files exported to a temporary folder and imported ahead of this checkout's), alternated with
 the rest: a change's before and after in one run.
+
+`--options [LIST]` measures the speed options through the command instead: for each rung of the
+pooled `speed` benchmark's CPU ladder (fp32, channels_last, num_workers=1, bf16, compile; `all`,
+the default, or a comma list, fp32 always included), `train` with that option (precision=bf16,
+trainer.channels_last, trainer.compile, data.num_workers) and the plain torchrun loop with the
+same option (--precision, --channels-last, --compile, --num-workers), all of them alternated in
+one schedule. Per option: each side's samples/s (median, spread), train / plain (ratio of
+medians, and the ratio in each round) and each side's speed-up over its own fp32. `--work cnn` is
+the work of the pooled figures (benchmarks/results/speed-cpu.json), for a side by side.
+
+    uv run --group bench python -m benchmarks command --options [--work cnn] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +61,7 @@ from benchmarks.common import (
 )
 from benchmarks.overhead import WORKS as POOLED_WORKS
 from benchmarks.plain import lightning_available
+from benchmarks.speed import CPU_LADDER
 from benchmarks.startup import HUNG_S, torchrun
 
 TRAIN = str(Path(sys.executable).with_name("train"))
@@ -62,6 +76,8 @@ WORKS = {
     "cnn": POOLED_WORKS["cnn"],
 }
 SPEED = ("train", "plain torchrun")
+PLAIN_SCRIPT = str(REPO / "benchmarks" / "plain_loop_torchrun.py")
+Commands = Callable[[Path], dict[str, list[str]]]  # a scratch folder -> the commands, by name
 
 
 def script_args(work: Work) -> list[str]:
@@ -74,12 +90,27 @@ def script_args(work: Work) -> list[str]:
     ]
 
 
+def option_args(work: Work) -> list[str]:
+    """The work's speed options as the plain loop's flags (Lightning's script takes none)."""
+    flags = [f"--precision={work.precision}", f"--num-workers={work.num_workers}"]
+    return flags + ["--channels-last"] * work.channels_last + ["--compile"] * work.compile
+
+
+def train_command(work: Work, scratch: Path) -> list[str]:
+    return [TRAIN, *work.overrides(2), "data.in_channels=3", f"hydra.run.dir={scratch}"]
+
+
+def plain_command(work: Work) -> list[str]:
+    """The plain torchrun loop on the same work, speed options included, as `train`'s."""
+    return [*torchrun(), PLAIN_SCRIPT, *script_args(work), *option_args(work)]
+
+
 def commands(
     work: Work, scratch: Path, before: tuple[str, Path] | None = None
 ) -> dict[str, list[str]]:
     """Every measured command, by contender name; `before`: (revision, its exported files)
     adds `train` as of that revision."""
-    plain = [*torchrun(), str(REPO / "benchmarks" / "plain_loop_torchrun.py")]
+    plain = [*torchrun(), PLAIN_SCRIPT]
     lightning = [sys.executable, str(REPO / "benchmarks" / "lightning_command.py")]
     short = Work(
         model=work.model,
@@ -88,8 +119,8 @@ def commands(
         image_size=work.image_size,
     )
     found = {
-        "train": [TRAIN, *work.overrides(2), "data.in_channels=3", f"hydra.run.dir={scratch}"],
-        "plain torchrun": [*plain, *script_args(work)],
+        "train": train_command(work, scratch),
+        "plain torchrun": plain_command(work),
         "lightning": [*lightning, *script_args(work)],
         "train sweep, 1 job": [TRAIN, "-m", *_sweep(short, scratch, "0.05")],
         "train sweep, 3 jobs": [TRAIN, "-m", *_sweep(short, scratch, "0.05,0.04,0.03")],
@@ -106,6 +137,17 @@ def commands(
         earlier = ["env", f"PYTHONPATH={files}", sys.executable, "-c", TRAIN_SCRIPT]
         found[f"train @{revision}"] = [*earlier, *found["train"][1:]]
     return found if lightning_available() else {k: v for k, v in found.items() if "lightn" not in k}
+
+
+def option_commands(work: Work, scratch: Path, options: Sequence[str]) -> dict[str, list[str]]:
+    """`train [option]` and `plain torchrun [option]` for each speed option (a rung of
+    speed.py's CPU ladder, applied to the work as speed.py applies it), side by side."""
+    found = {}
+    for option in options:
+        optioned = replace(work, **CPU_LADDER[option])
+        found[f"train [{option}]"] = train_command(optioned, scratch)
+        found[f"plain torchrun [{option}]"] = plain_command(optioned)
+    return found
 
 
 def _sweep(work: Work, scratch: Path, rates: str) -> list[str]:
@@ -158,7 +200,7 @@ def measure(name: str, argv: list[str], scratch: Path, warmup: int) -> dict[str,
         return measured
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{(result.stdout + result.stderr)[-3000:]}")
-    if name == "train" or name.startswith("train @"):
+    if name == "train" or name.startswith(("train @", "train [")):  # its run dir's log
         events = [
             json.loads(line) for line in (scratch / "metrics.jsonl").read_text().split("\n") if line
         ]
@@ -172,25 +214,117 @@ def throughput_contender(name: str) -> bool:
     return name in (*SPEED, "lightning") or name.startswith("train @")
 
 
+def rates(measured: list[dict[str, Any]]) -> list[float]:
+    return [run["samples_per_s"] for run in measured]
+
+
+def ratio(ours: list[dict[str, Any]], plain: list[dict[str, Any]]) -> dict[str, Any]:
+    """Our median samples/s over the plain loop's, and our ratio in each round (over the plain
+    run of the same round: the pair saw the same state of a noisy machine)."""
+    return {
+        "ratio_of_medians": median(rates(ours)) / median(rates(plain)),
+        "round_ratios": [o / p for o, p in zip(rates(ours), rates(plain), strict=True)],
+    }
+
+
 def ratios_to_plain(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Each throughput contender's median samples/s over the plain loop's, and its ratio in each
-    round (the plain run of the same round)."""
-    plain = [run["samples_per_s"] for run in runs["plain torchrun"]]
-    found = {}
-    for name, measured in runs.items():
-        if name == "plain torchrun" or not throughput_contender(name):
-            continue
-        rates = [run["samples_per_s"] for run in measured]
-        found[name] = {
-            "ratio_of_medians": median(rates) / median(plain),
-            "round_ratios": [ours / theirs for ours, theirs in zip(rates, plain, strict=True)],
+    """Each throughput contender's ratio to the plain loop."""
+    return {
+        name: ratio(measured, runs["plain torchrun"])
+        for name, measured in runs.items()
+        if name != "plain torchrun" and throughput_contender(name)
+    }
+
+
+def option_figures(runs: dict[str, list[dict[str, Any]]], options: Sequence[str]) -> dict:
+    """Per option: `train`'s and the plain loop's samples/s, train's ratio to the plain loop
+    with the same option, and each side's speed-up over its own fp32 (ratio of medians)."""
+    figures = {}
+    for option in options:
+        ours, plain = runs[f"train [{option}]"], runs[f"plain torchrun [{option}]"]
+        figures[option] = {
+            "train_samples_per_s": rates(ours),
+            "plain_samples_per_s": rates(plain),
+            **ratio(ours, plain),
+            "train_vs_fp32": ratio(ours, runs["train [fp32]"])["ratio_of_medians"],
+            "plain_vs_fp32": ratio(plain, runs["plain torchrun [fp32]"])["ratio_of_medians"],
         }
-    return found
+    return figures
+
+
+def option_table(figures: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    headers = [
+        "option",
+        "train samples/s (median, spread)",
+        "plain torchrun samples/s (median, spread)",
+        "train / plain",
+        "per round",
+        "train vs its fp32",
+        "plain vs its fp32",
+    ]
+    rows = [
+        [
+            option,
+            spread(found["train_samples_per_s"]),
+            spread(found["plain_samples_per_s"]),
+            f"**{found['ratio_of_medians']:.3f}x**",
+            " ".join(f"{r:.2f}" for r in found["round_ratios"]),
+            f"{found['train_vs_fp32']:.2f}x",
+            f"{found['plain_vs_fp32']:.2f}x",
+        ]
+        for option, found in figures.items()
+    ]
+    return headers, rows
 
 
 def spread(values: list[float]) -> str:
     middle = median(values)
     return f"{middle:.4g} (+{max(values) / middle - 1:.1%} / -{1 - min(values) / middle:.1%})"
+
+
+def chosen_options(listed: str, parser: argparse.ArgumentParser) -> list[str]:
+    """`all` or a comma list of CPU_LADDER's rungs, in the ladder's order; fp32 always (each
+    option's speed-up is over it)."""
+    names = list(CPU_LADDER) if listed == "all" else listed.split(",")
+    if unknown := set(names) - set(CPU_LADDER):
+        parser.error(f"--options: unknown {sorted(unknown)}; known: all, {','.join(CPU_LADDER)}")
+    return [option for option in CPU_LADDER if option in names or option == "fp32"]
+
+
+def folder_name(name: str) -> str:
+    """A contender's name as a folder Hydra takes as is in hydra.run.dir= (no spaces, brackets
+    or `=`): `train [num_workers=1]` -> train-num_workers-1."""
+    return re.sub(r"\W+", "-", name).strip("-")
+
+
+def run_rounds(
+    names: list[str], build: Commands, root: Path, rounds: int, warmup: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Every contender once a round, alternated (A B C, B C A, ...), each in a fresh scratch."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for round_index, name in interleave(names, rounds):
+        scratch = root / f"{folder_name(name)}-{round_index}"
+        measured = measure(name, build(scratch)[name], scratch, warmup)
+        runs[name].append(measured)
+        rate = measured.get("samples_per_s")
+        shown = f"  {rate:.0f} samples/s" if rate else ""
+        print(
+            f"round {round_index + 1}  {name:32s} {measured['command_s']:.2f} s{shown}", flush=True
+        )
+    return runs
+
+
+def contender_table(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], list[list[str]]]:
+    rows = [
+        [
+            name,
+            spread([run["command_s"] for run in measured]) + " s",
+            spread(rates(measured)) if "samples_per_s" in measured[0] else "",
+        ]
+        for name, measured in runs.items()
+    ]
+    headers = ["command", "whole command (median, spread)", "steady samples/s (median, spread)"]
+    return headers, rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -201,50 +335,65 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--image-size", type=int, help="(default: the work's)")
     parser.add_argument("--speed-only", action="store_true", help="train and the plain loop only")
     parser.add_argument("--before", metavar="REV", help="also train as of this git revision")
+    parser.add_argument(
+        "--options",
+        nargs="?",
+        const="all",
+        metavar="LIST",
+        help=f"the speed options instead: all (the default) or some of {','.join(CPU_LADDER)}",
+    )
     args = parser.parse_args(argv)
+    if args.options and (args.speed_only or args.before):
+        parser.error("--options measures train and the plain loop alone: no --speed-only, --before")
     work = WORKS[args.work]
     if args.steps is not None:
         work = replace(work, steps=args.steps)
     if args.image_size is not None:
         work = replace(work, image_size=args.image_size)
-    before = (args.before, tree_at(args.before)) if args.before else None
     root = Path(tempfile.mkdtemp(prefix="command-bench-"))
-    names = list(commands(work, root, before))
+    if args.options:
+        options = chosen_options(args.options, parser)
+        build: Commands = partial(option_commands, work, options=options)
+    else:
+        before = (args.before, tree_at(args.before)) if args.before else None
+        build = partial(commands, work, before=before)
+    names = list(build(root))
     if args.speed_only:
         names = [name for name in names if throughput_contender(name) and name != "lightning"]
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for round_index, name in interleave(names, args.rounds):
-        scratch = root / f"{name}-{round_index}".replace(" ", "-").replace(",", "")
-        measured = measure(name, commands(work, scratch, before)[name], scratch, work.warmup)
-        runs[name].append(measured)
-        rate = measured.get("samples_per_s")
-        shown = f"  {rate:.0f} samples/s" if rate else ""
-        print(
-            f"round {round_index + 1}  {name:24s} {measured['command_s']:.2f} s{shown}", flush=True
-        )
-    rows = [
-        [
-            name,
-            spread([run["command_s"] for run in measured]) + " s",
-            spread([run["samples_per_s"] for run in measured])
-            if "samples_per_s" in measured[0]
-            else "",
-        ]
-        for name, measured in runs.items()
-    ]
-    headers = ["command", "whole command (median, spread)", "steady samples/s (median, spread)"]
+    runs = run_rounds(names, build, root, args.rounds, work.warmup)
+    headers, rows = contender_table(runs)
     print(f"\n{args.rounds} rounds, alternated:")
     print(table(headers, rows))
     record: dict[str, Any] = {"rounds": args.rounds, "work": work, "runs": runs}
+    record["table"] = {"headers": headers, "rows": rows}
+    if args.options:
+        report_options(record, options, args.work)
+        write_result(f"command-options-{args.work}", record)
+    else:
+        report_to_plain(record, sweep=not args.speed_only)
+        write_result("command" if not args.speed_only else f"command-speed-{args.work}", record)
+    return record
+
+
+def report_options(record: dict[str, Any], options: list[str], work_name: str) -> None:
+    """Print the options' table; record its figures."""
+    record["options"] = option_figures(record["runs"], options)
+    headers, rows = option_table(record["options"])
+    print(f"\nthe speed options (speed.py's CPU ladder) on {work_name}, median of each side:")
+    print(table(headers, rows))
+    record["options_table"] = {"headers": headers, "rows": rows}
+
+
+def report_to_plain(record: dict[str, Any], sweep: bool) -> None:
+    """Print each contender's ratio to the plain loop and (`sweep`) the cost of each further
+    sweep job; record them."""
+    runs = record["runs"]
     record["to_plain"] = ratios_to_plain(runs)
-    for name, ratio in record["to_plain"].items():
-        rounds = " ".join(f"{r:.2f}" for r in ratio["round_ratios"])
-        print(f"{name} / plain torchrun: {ratio['ratio_of_medians']:.3f}x (rounds {rounds})")
-    if not args.speed_only:
-        sweep = {n: median([r["command_s"] for r in runs[n]]) for n in names if "sweep" in n}
-        per_further_job = (sweep["train sweep, 3 jobs"] - sweep["train sweep, 1 job"]) / 2
+    for name, found in record["to_plain"].items():
+        rounds = " ".join(f"{r:.2f}" for r in found["round_ratios"])
+        print(f"{name} / plain torchrun: {found['ratio_of_medians']:.3f}x (rounds {rounds})")
+    if sweep:
+        jobs = {n: median([r["command_s"] for r in runs[n]]) for n in runs if "sweep" in n}
+        per_further_job = (jobs["train sweep, 3 jobs"] - jobs["train sweep, 1 job"]) / 2
         print(f"\ntrain: each further job of a local sweep: {per_further_job:.2f} s")
         record["per_further_sweep_job_s"] = per_further_job
-    record["table"] = {"headers": headers, "rows": rows}
-    write_result("command" if not args.speed_only else f"command-speed-{args.work}", record)
-    return record

@@ -4,14 +4,22 @@ measured by running them, never asserted here.)"""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
-from benchmarks.command import commands, ratios_to_plain
+from benchmarks.command import (
+    PLAIN_SCRIPT,
+    commands,
+    option_commands,
+    option_figures,
+    ratios_to_plain,
+)
 from benchmarks.common import Trial, Work, interleave, run_ours, run_pool, steady_samples_per_s
 from benchmarks.plain import plain_loop
+from benchmarks.startup import torchrun
 from tests.conftest import REPO
 
 
@@ -54,6 +62,62 @@ def test_the_command_benchmark_compares_each_contender_with_the_plain_run_of_its
     assert list(ratios) == ["train"]
     assert ratios["train"]["ratio_of_medians"] == pytest.approx(1.0)
     assert ratios["train"]["round_ratios"] == pytest.approx([1.1, 0.9, 1.25])
+
+
+def test_each_speed_option_reaches_train_and_the_plain_loop_alike(tmp_path):
+    work = Work(model="cnn", steps=5, warmup=2)
+    found = option_commands(work, tmp_path, ["fp32", "bf16", "channels_last", "num_workers=1"])
+    assert list(found) == [
+        f"{side} [{option}]"
+        for option in ("fp32", "bf16", "channels_last", "num_workers=1")
+        for side in ("train", "plain torchrun")
+    ]
+    assert "precision=bf16" in found["train [bf16]"]
+    assert "--precision=bf16" in found["plain torchrun [bf16]"]
+    assert "precision=fp32" in found["train [fp32]"]
+    assert "--precision=fp32" in found["plain torchrun [fp32]"]
+    assert "trainer.channels_last=True" in found["train [channels_last]"]
+    assert "--channels-last" in found["plain torchrun [channels_last]"]
+    assert "--channels-last" not in found["plain torchrun [bf16]"]
+    assert "data.num_workers=1" in found["train [num_workers=1]"]
+    assert "--num-workers=1" in found["plain torchrun [num_workers=1]"]
+    assert "--num-workers=0" in found["plain torchrun [fp32]"]
+
+
+def test_the_options_compare_train_with_the_plain_loop_of_the_same_option_and_its_own_fp32():
+    def runs(*rates):
+        return [{"samples_per_s": rate} for rate in rates]
+
+    found = option_figures(
+        {
+            "train [fp32]": runs(100.0, 90.0, 110.0),
+            "plain torchrun [fp32]": runs(100.0, 100.0, 100.0),
+            "train [bf16]": runs(150.0, 160.0, 140.0),
+            "plain torchrun [bf16]": runs(200.0, 100.0, 140.0),
+        },
+        ["fp32", "bf16"],
+    )
+    assert found["bf16"]["ratio_of_medians"] == pytest.approx(150 / 140)
+    assert found["bf16"]["round_ratios"] == pytest.approx([0.75, 1.6, 1.0])
+    assert found["bf16"]["train_vs_fp32"] == pytest.approx(1.5)
+    assert found["bf16"]["plain_vs_fp32"] == pytest.approx(1.4)
+    assert found["fp32"]["train_vs_fp32"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_plain_torchrun_loop_runs_with_the_speed_options():
+    work = ["--steps=4", "--warmup=2", "--batch-size=8", "--image-size=8"]
+    options = ["--precision=bf16", "--channels-last", "--num-workers=1"]
+    result = subprocess.run(
+        [*torchrun(), PLAIN_SCRIPT, *work, *options],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^samples_per_s=\d+\.\d$", result.stdout, re.MULTILINE), result.stdout
 
 
 def _fails(trial, ctx):
