@@ -55,6 +55,7 @@ from benchmarks.common import (
     Work,
     interleave,
     median,
+    spread,
     steady_samples_per_s,
     table,
     write_result,
@@ -275,11 +276,6 @@ def option_table(figures: dict[str, dict[str, Any]]) -> tuple[list[str], list[li
         for option, found in figures.items()
     ]
     return headers, rows
-
-
-def spread(values: list[float]) -> str:
-    middle = median(values)
-    return f"{middle:.4g} (+{max(values) / middle - 1:.1%} / -{1 - min(values) / middle:.1%})"
 
 
 def chosen_options(listed: str, parser: argparse.ArgumentParser) -> list[str]:
