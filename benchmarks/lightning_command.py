@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
-from plain_loop_torchrun import random_images, small_cnn, work_arguments  # (beside this script)
+from plain_loop_torchrun import SmallCNN, random_images, work_arguments  # (beside this script)
 from torch.utils.data import DataLoader
 
 
@@ -37,7 +37,7 @@ class Timer(L.Callback):
 class Classifier(L.LightningModule):
     def __init__(self, lr: float) -> None:
         super().__init__()
-        self.model, self.lr = small_cnn(), lr
+        self.model, self.lr = SmallCNN(), lr
 
     def training_step(self, batch, batch_idx):
         inputs, targets = batch

@@ -28,20 +28,29 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
-def small_cnn(in_channels: int = 3, width: int = 32, classes: int = 10) -> nn.Module:
-    """framework.components.models.SmallCNN's layers, written with nothing but torch."""
-    return nn.Sequential(
-        nn.Conv2d(in_channels, width, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(width, 2 * width, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(2 * width, 2 * width, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(2 * width, classes),
-    )
+class SmallCNN(nn.Module):
+    """framework.components.models.SmallCNN's layers, written with nothing but torch. A class of
+    the script's own, as users write models: under torch.compile, a bare nn.Sequential at the top
+    ran eager (dynamo traced no graph of it: TORCH_LOGS=graph_code printed none, 2026-11-25), so
+    `--compile` compared `train`'s compiled model with an uncompiled one."""
+
+    def __init__(self, in_channels: int = 3, width: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.head = nn.Linear(2 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
 
 
 def work_parser() -> argparse.ArgumentParser:
@@ -101,7 +110,7 @@ def main() -> None:
     )
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = DistributedDataParallel(
-        small_cnn().to(memory_format=memory_format),
+        SmallCNN().to(memory_format=memory_format),
         bucket_cap_mb=25.0,
         gradient_as_bucket_view=True,
     )

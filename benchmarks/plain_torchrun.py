@@ -17,7 +17,7 @@ import torch
 import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 import torch.nn.functional as F
-from plain_loop_torchrun import small_cnn  # beside this script: the same layers
+from plain_loop_torchrun import SmallCNN  # beside this script: the same layers
 from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -32,7 +32,7 @@ def main() -> None:
     images = (torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0 - 0.5) / 0.5
     data = TensorDataset(images, torch.tensor(digits.target))
     loader = DataLoader(data, batch_size=32, sampler=DistributedSampler(data), drop_last=True)
-    model = small_cnn(in_channels=1)
+    model = SmallCNN(in_channels=1)
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     inputs, targets = next(iter(loader))
