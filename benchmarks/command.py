@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -347,16 +348,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.image_size is not None:
         work = replace(work, image_size=args.image_size)
     root = Path(tempfile.mkdtemp(prefix="command-bench-"))
+    before = (args.before, tree_at(args.before)) if args.before else None
     if args.options:
         options = chosen_options(args.options, parser)
         build: Commands = partial(option_commands, work, options=options)
     else:
-        before = (args.before, tree_at(args.before)) if args.before else None
         build = partial(commands, work, before=before)
     names = list(build(root))
     if args.speed_only:
         names = [name for name in names if throughput_contender(name) and name != "lightning"]
-    runs = run_rounds(names, build, root, args.rounds, work.warmup)
+    try:
+        runs = run_rounds(names, build, root, args.rounds, work.warmup)
+    finally:
+        # Scratch: the rounds' run dirs and the exported revision; nothing reads them afterwards.
+        for folder in (root, before[1]) if before else (root,):
+            shutil.rmtree(folder, ignore_errors=True)
     headers, rows = contender_table(runs)
     print(f"\n{args.rounds} rounds, alternated:")
     print(table(headers, rows))
