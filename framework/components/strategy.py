@@ -187,7 +187,7 @@ class FSDP(DDP):
         Called for the artifacts after training only: a forward that calls such a method
         (a VAE's forward calls decode) would reshard in the middle of a training step."""
         for name in methods:
-            if isinstance(module, FSDPModule) and hasattr(module, name):
+            if hasattr(module, name):  # a no-op on a module that is not sharded
                 register_fsdp_forward_method(module, name)
 
     def no_sync(self, train: nn.Module, module: nn.Module) -> contextlib.AbstractContextManager:

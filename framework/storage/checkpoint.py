@@ -270,10 +270,7 @@ def read(path: Path) -> dict[str, Any]:
     if sidecar.is_file():  # absent for a file copied on its own: torch.load still checks it
         expected = _read_sidecar(sidecar)
         _check_file(path, expected["bytes"], expected["sha256"], sidecar)
-    payload = _load_payload(path)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a checkpoint written by this framework")
-    return payload
+    return _load_ours(path, path)
 
 
 def _check_file(path: Path, size: int, sha256: str, sidecar: Path) -> None:
@@ -297,9 +294,7 @@ def _read_sharded(folder: Path) -> dict[str, Any]:
     if not (resolved / sharded.STATE_FILE).is_file():
         raise CheckpointError(f"{folder} is not a checkpoint written by this framework")
     sharded.check_index(resolved)
-    payload = _load_payload(resolved / sharded.STATE_FILE)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{folder} is not a checkpoint written by this framework")
+    payload = _load_ours(resolved / sharded.STATE_FILE, folder)
     for key, skeleton in payload.pop("sharded").items():
         payload[key] = None if skeleton is None else ShardedState(resolved, key, skeleton)
     return payload
@@ -318,6 +313,15 @@ def _read_sharded_sidecar(sidecar: Path) -> dict[str, Any]:
     if any("/" in name or name in ("", ".", "..") for name in files):
         raise CheckpointError(f"checkpoint sidecar {sidecar} is damaged (a path in its list)")
     return files
+
+
+def _load_ours(path: Path, checkpoint: Path) -> dict[str, Any]:
+    """The payload at `path`, refused unless this framework wrote it (`checkpoint`: the file or
+    folder the message names)."""
+    payload = _load_payload(path)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{checkpoint} is not a checkpoint written by this framework")
+    return payload
 
 
 def _load_payload(path: Path) -> Any:
