@@ -236,7 +236,7 @@ def _pool_worker(
         # Every rank finishes trial i before any starts trial i+1.
         store.set(f"done/{index}/{rank}", "1")
         store.wait([f"done/{index}/{r}" for r in range(nprocs)])
-    from framework.launch.rank_process import exit_now
+    from framework.launch.rank_entry import exit_now
 
     exit_now(0)  # as `train`'s ranks leave: without the interpreter's shutdown (gloo threads)
 
@@ -301,11 +301,11 @@ def run_ours(trial: Trial, ctx: TrialContext, overrides: Sequence[str] = ()) -> 
 
 
 def run_train(overrides: list[str], ctx: TrialContext, warmup: int) -> dict[str, Any] | None:
-    """framework.run.assemble.run on this rank, what a spawned rank of `train` runs. Rank 0 returns
+    """framework.rank.assemble.run on this rank, what a spawned rank of `train` runs. Rank 0 returns
     the summary, the train events of metrics.jsonl and the steady samples/s after `warmup`."""
     from framework.core import startup_clock
     from framework.core.launch_context import DistEnv
-    from framework.run.assemble import run
+    from framework.rank.assemble import run
 
     startup_clock.count_from_now()
     cfg = compose(overrides)

@@ -36,9 +36,9 @@ from benchmarks.common import (
     table,
     write_result,
 )
-from framework.components.hardware import MIB, peak_memory_mib
 from framework.components.strategy import local
-from framework.run.loop import Runner
+from framework.components.utilization import MIB, peak_memory_mib
+from framework.rank.loop import Runner
 
 STRATEGIES = ("ddp", "fsdp")
 CPU = torch.device("cpu")

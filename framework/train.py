@@ -1,6 +1,6 @@
 """`train` / `python -m framework.train`: the command. Checks the command line, composes the
 config once (Hydra), hands it to the launcher and turns how the run ended into an exit code
-(framework/core/exits.py). What each rank does is framework/run/assemble.py.
+(framework/core/exits.py). What each rank does is framework/rank/assemble.py.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from framework.command.eval_overrides import with_training_overrides
-from framework.command.hydra_errors import run_app
-from framework.command.hydra_node_check import check_composed_hydra_node
+from framework.app.eval_overrides import with_training_overrides
+from framework.app.hydra_errors import run_app
+from framework.app.hydra_node_check import check_composed_hydra_node
 from framework.config import CONF_DIR, validate
 from framework.config.redaction import hide_command_line_secrets
 from framework.config.registry import register_configs

@@ -210,7 +210,7 @@ def spawn_ranks(fn, *args, world_size: int = 2) -> None:
 
 def _rank_entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     import torch
-    import torch._dynamo  # noqa: F401  (before any process group, as framework.run.assemble does it)
+    import torch._dynamo  # noqa: F401  (before any process group, as framework.rank.assemble does it)
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -234,7 +234,7 @@ def train_many(jobs: list[tuple[DictConfig, Path]], world_size: int = 2) -> list
 def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
     from framework.core import startup_clock
     from framework.core.launch_context import DistEnv
-    from framework.run.assemble import run
+    from framework.rank.assemble import run
 
     env = DistEnv(
         rank=rank,

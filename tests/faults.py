@@ -72,7 +72,7 @@ class FaultyMLP(_Faults, MLP):
 
 class HostReadingMLP(FaultyMLP):
     """FaultyMLP whose forward reads a value on the host, which the meta device cannot give:
-    the FLOP count then runs on the real device (framework/components/hardware.py)."""
+    the FLOP count then runs on the real device (framework/components/utilization.py)."""
 
     def forward(self, x):
         if float(x.abs().amax()) < 0:  # never true: only the host read matters

@@ -17,7 +17,7 @@ from framework.config.resolvers import register_resolvers
 # group -> option -> schema. A YAML option of the group starts with
 # `defaults: [/schema/<group>/<option>@_here_]`; `base` is the schema a user's own option extends.
 # A base is stored open: the user's option adds keys of its own, typed and checked against its
-# `_target_`'s signature (framework/config/target_keys.py), while the framework's keys stay typed.
+# `_target_`'s signature (framework/config/option_keys.py), while the framework's keys stay typed.
 SCHEMAS: dict[str, dict[str, type]] = {
     "task": {
         "base": s.TaskConfig,

@@ -10,7 +10,7 @@ parameters, precision its device) are `_partial_`.
 
 What a resumed run may change and what an evaluation must match are declared on the fields
 themselves (`setting(..., resumable=True)`, `setting(..., eval_may_differ=True)`, and
-`eval_must_match=True` on the groups an evaluation compares); framework/config/settings.py
+`eval_must_match=True` on the groups an evaluation compares); framework/config/resume_rules.py
 derives the lists from them.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-# Field metadata keys (read by framework/config/settings.py).
+# Field metadata keys (read by framework/config/resume_rules.py).
 RESUMABLE = "resumable"  # a resumed run may change it: the next step computes the same
 EVAL_MUST_MATCH = "eval_must_match"  # a group an evaluation compares with the training run's
 EVAL_MAY_DIFFER = "eval_may_differ"  # in such a group, yet not which examples or weights are seen
@@ -649,7 +649,7 @@ class TrainerConfig:
     # where it runs there) for the logged tflops_per_s and mfu; false: neither is logged.
     count_flops: bool = setting(True, resumable=True)
     # One device's dense peak TFLOP/s, for mfu. null: the GPU's from the table in
-    # framework/components/hardware.py (by its name and the precision); on a CPU, or a GPU the
+    # framework/components/utilization.py (by its name and the precision); on a CPU, or a GPU the
     # table lacks, no mfu is logged unless this is set.
     peak_tflops: float | None = setting(None, resumable=True)
 

@@ -20,8 +20,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schemas as s
+from framework.config.option_keys import check_target_keys
 from framework.config.registry import SCHEMAS, shipped_targets
-from framework.config.target_keys import check_target_keys
 from framework.core import launch_context
 from framework.core.allowlist import check_targets
 from framework.core.exits import ConfigError

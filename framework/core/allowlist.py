@@ -201,7 +201,7 @@ HYDRA_NODE_TARGETS = frozenset(
             for name in ("GridSampler", "TPESampler", "RandomSampler", "CmaEsSampler")
         ),
         *(f"optuna.samplers.{name}" for name in ("NSGAIISampler", "MOTPESampler", "QMCSampler")),
-        "framework.command.validate_callback.ValidateBeforeRun",
+        "framework.app.validate_callback.ValidateBeforeRun",
         "hydra.experimental.callbacks.LogJobReturnCallback",
         "logging.StreamHandler",
         "logging.FileHandler",

@@ -27,7 +27,7 @@ START_METHOD = "forkserver"
 # What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
 # the tasks, models and data sets), and the plots rank 0 draws at the end. This module first:
 # its copy of the server's environment is what a rank compares with (adopt).
-PRELOAD = ["framework.launch.forkserver", "framework.launch.rank_process", "matplotlib.pyplot"]
+PRELOAD = ["framework.launch.forkserver", "framework.launch.rank_entry", "matplotlib.pyplot"]
 # Set in this process's environment only while it starts the fork server: the server finds
 # it when it imports this module (PRELOAD), and no other process does.
 _SERVER_MARK = "FRAMEWORK_FORK_SERVER"

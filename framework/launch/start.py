@@ -25,8 +25,8 @@ from omegaconf import DictConfig
 
 from framework.core import launch_context
 from framework.core.launch_context import DistEnv, LaunchContext
-from framework.launch.local import launch_local
-from framework.launch.torchrun_agent import launch_elastic
+from framework.launch.local.launcher import launch_local
+from framework.launch.torchrun.agent import launch_elastic
 from framework.storage.run_dir import RunDir
 
 SUBMITIT_LAUNCHERS = ("slurm", "slurm_local")
@@ -65,20 +65,20 @@ def how_ranks_start(launcher: DictConfig, here: LaunchContext) -> Start:
 def start(how: Start, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Run cfg's ranks as `how` says; returns rank 0's summary where this process has it."""
     if how is Start.SLURM_FOLLOWER:
-        from framework.launch.slurm_task import run_follower  # a rank: imports the stack
+        from framework.launch.slurm.task import run_follower  # a rank: imports the stack
 
         run_follower(cfg, run_dir)
         return None
     if how is Start.SLURM_TASK:
-        from framework.launch.slurm_task import run_task  # a rank: imports the stack
+        from framework.launch.slurm.task import run_task  # a rank: imports the stack
 
         return run_task(cfg, run_dir)
     if how is Start.EXTERNAL_TORCHRUN_RANK:
-        from framework.launch.external_torchrun import run_torchrun_rank  # a rank, as above
+        from framework.launch.torchrun.external import run_torchrun_rank  # a rank, as above
 
         return run_torchrun_rank(cfg, run_dir)
     if how is Start.IN_PROCESS:
-        from framework.run.assemble import run  # a rank, as above
+        from framework.rank.assemble import run  # a rank, as above
 
         return run(cfg, run_dir, DistEnv())
     if how is Start.TORCHRUN_AGENT:

@@ -1,5 +1,5 @@
 """Hydra launchers for `train` sweeps: Hydra's basic launcher and hydra-submitit-launcher's two,
-each adding the sweep summary (framework/command/sweep_summary.py) after every batch of jobs.
+each adding the sweep summary (framework/app/sweep_summary.py) after every batch of jobs.
 
 The submitit ones also wait differently. hydra-submitit-launcher waits for every task of every
 job through `sacct`; a task that died without a result (killed, out of memory, a rank that left
@@ -65,7 +65,7 @@ ENDED_STATES = {
 
 
 def _summary(config: Any):
-    from framework.command.sweep_summary import (
+    from framework.app.sweep_summary import (
         SweepSummary,  # imported late: Hydra scans this module often
     )
 
@@ -284,7 +284,7 @@ class UserConfigPath(SearchPathPlugin):
     user project keeps its own conf/ beside its package and runs `train` from there), then the
     folders in $FRAMEWORK_CONFIG_PATH (comma-separated pkg:// or file:// paths). Their group
     options (task/my_task.yaml, experiment/...) join the shipped ones without an edit of conf/;
-    framework/command/validate_callback.py refuses an entry that does not exist, and an option
+    framework/app/validate_callback.py refuses an entry that does not exist, and an option
     that a shipped one of the same name hides."""
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:

@@ -47,7 +47,7 @@ def test_steady_state_steps_on_cuda_never_synchronise_with_the_host(tmp_path, ov
     """torch.cuda.set_sync_debug_mode("error") from the start of step 3 to the start of step 11:
     any synchronising call in a step or between steps raises (tests/distributed/
     test_host_syncs.py counts the same reads on CPU ranks)."""
-    from framework.run.loop import Runner
+    from framework.rank.loop import Runner
 
     original = Runner.train_step
 

@@ -63,8 +63,8 @@ def _count_in_rank(rank: int, world_size: int, port: int, jobs: list, found: dic
     import torch
 
     from framework.core.launch_context import DistEnv
-    from framework.run.assemble import run
-    from framework.run.loop import Runner
+    from framework.rank.assemble import run
+    from framework.rank.loop import Runner
 
     torch.set_num_threads(1)
     env = DistEnv(

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from framework.core.exits import ReplicasDiverged
 from framework.core.launch_context import DistEnv
-from framework.run.assemble import run
+from framework.rank.assemble import run
 from tests.conftest import TINY, make_cfg, prepare_run, start_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -192,7 +192,7 @@ def test_bad_input_exits_nonzero_with_one_clear_message_and_no_run_dir(
 
 
 def test_hydra_config_mistakes_are_one_error_line_with_exit_2(cli, tmp_path):
-    """framework/command/hydra_errors.py against the installed Hydra: its composition error comes
+    """framework/app/hydra_errors.py against the installed Hydra: its composition error comes
     back as one `error:` line with OmegaConf's reason, and HYDRA_FULL_ERROR is left as it was."""
     result = cli("dist.backend=mpi", cwd=tmp_path)
     assert result.returncode == 2

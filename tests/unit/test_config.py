@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from framework.components.optim import build_optimizer, scaled_lr
 from framework.config import schemas, validate
 from framework.config.registry import SCHEMAS
-from framework.config.settings import must_match_in_eval, resumable_keys, training_settings
+from framework.config.resume_rules import must_match_in_eval, resumable_keys, training_settings
 from framework.config.validation import node_range
 from framework.core.exits import ConfigError
 from tests.conftest import CONF_DIR, make_cfg

@@ -23,7 +23,7 @@ def test_a_slurm_task_is_one_rank_and_rank_0_on_the_first_node_hosts_the_rendezv
     from omegaconf import OmegaConf
 
     from framework.core.launch_context import rendezvous_port
-    from framework.launch.slurm_task import task_env
+    from framework.launch.slurm.task import task_env
 
     slurm = {
         "SUBMITIT_EXECUTOR": "slurm",

@@ -8,7 +8,7 @@ import pytest
 from framework.config.validation import joins_other_node, node_range
 from framework.core.launch_context import detect
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start
-from framework.launch.torchrun_agent import rendezvous_settings
+from framework.launch.torchrun.agent import rendezvous_settings
 from tests.conftest import make_cfg
 
 TORCHRUN_RANK_0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "j"}

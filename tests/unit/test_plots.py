@@ -3,7 +3,7 @@ value rather than left as one unlabelled dot."""
 
 from __future__ import annotations
 
-from framework.run.plots import draw_curves, plot_run
+from framework.rank.plots import draw_curves, plot_run
 
 EVENTS = [
     {"step": 10, "train/loss": 1.5, "train/accuracy": 0.5, "lr": 0.1},

@@ -1,4 +1,4 @@
-"""What a checkpoint saves and restores (framework/run/state.py): the registry's round trip, the
+"""What a checkpoint saves and restores (framework/rank/state.py): the registry's round trip, the
 trainer entry's keys, and the per-rank RNG streams and loader position."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from framework.components.strategy import WholeModule, WholeOptimizer
-from framework.run.selection import Selection
-from framework.run.state import (
+from framework.rank.model_selection import ModelSelection
+from framework.rank.state import (
     FlatStates,
     LoaderPosition,
     RNGStreams,
@@ -36,11 +36,11 @@ TRAINER_KEYS = [
 ]
 
 
-def parts(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, TrainState, Selection]:
+def parts(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, TrainState, ModelSelection]:
     torch.manual_seed(seed)
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    selection = Selection.build(
+    selection = ModelSelection.build(
         ("val/accuracy", "max"), keep_best=2, early_stopping={"patience": 3, "min_delta": 0.0}
     )
     return model, optimizer, TrainState(), selection

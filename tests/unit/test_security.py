@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from framework.command.hydra_node_check import check_composed_hydra_node
+from framework.app.hydra_node_check import check_composed_hydra_node
 from framework.config import validate
 from framework.config.redaction import (
     REDACTED,
@@ -216,7 +216,7 @@ REFUSED = [
     (
         [
             "-m",
-            "+hydra.callbacks.e._target_=choice(framework.command.validate_callback.ValidateBeforeRun,os.system)",
+            "+hydra.callbacks.e._target_=choice(framework.app.validate_callback.ValidateBeforeRun,os.system)",
         ],
         "_target_=os.system",
     ),

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from framework.core.launch_context import DistEnv
-from framework.run import stopping
-from framework.run.stopping import NonFiniteWatch, SignalExchange, StopRequests
+from framework.rank import stopping
+from framework.rank.stopping import NonFiniteWatch, SignalExchange, StopRequests
 
 T, F = torch.tensor(True), torch.tensor(False)
 

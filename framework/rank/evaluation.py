@@ -21,12 +21,12 @@ from framework.components.precision import Precision
 from framework.components.tasks import Task
 from framework.components.tasks.base import pack_states, unpack_states
 from framework.config.redaction import redacted_container
-from framework.config.settings import must_match_in_eval, training_settings
+from framework.config.resume_rules import must_match_in_eval, training_settings
 from framework.config.validation import resolve_objective
 from framework.core.distributed import all_reduce_sum
 from framework.core.exits import CheckpointError, ConfigError
 from framework.core.launch_context import DistEnv
-from framework.run.state import Model
+from framework.rank.state import Model
 from framework.storage.checkpoint import check_model_keys
 from framework.storage.checkpoint import read as read_checkpoint
 from framework.storage.run_dir import RunDir

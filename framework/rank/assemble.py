@@ -27,13 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.components.data import Loaders, Splits, build_loaders, load_splits, to_device
 from framework.components.ema import EMA
-from framework.components.hardware import HardwareMeter, device_peak_tflops, micro_batch_flops
 from framework.components.loggers import build_sink, setup_logging
 from framework.components.optim import build_optimizer, scaled_lr
 from framework.components.precision import Precision
 from framework.components.tasks import Task, first_batch
+from framework.components.utilization import UtilizationMeter, device_peak_tflops, micro_batch_flops
 from framework.config.redaction import redacted_container
-from framework.config.settings import training_settings
+from framework.config.resume_rules import training_settings
 from framework.config.validation import resolve_monitor, resolve_objective, sharded_checkpoints
 from framework.core import startup_clock
 from framework.core.distributed import (
@@ -46,12 +46,12 @@ from framework.core.distributed import (
 )
 from framework.core.exits import ConfigError, NonFiniteLoss, Stopped
 from framework.core.launch_context import DistEnv
-from framework.run.evaluation import evaluate_checkpoint
-from framework.run.loop import Outputs, Runner, planned_steps
-from framework.run.plots import plot_run, save_image_grid, try_plot
-from framework.run.selection import Selection
-from framework.run.state import Model, Optimization
-from framework.run.stopping import SignalExchange, StopRequests
+from framework.rank.evaluation import evaluate_checkpoint
+from framework.rank.loop import Outputs, Runner, planned_steps
+from framework.rank.model_selection import ModelSelection
+from framework.rank.plots import plot_run, save_image_grid, try_plot
+from framework.rank.state import Model, Optimization
+from framework.rank.stopping import SignalExchange, StopRequests
 from framework.storage.checkpoint import Checkpointer, restore_rng, rng_state
 from framework.storage.run_dir import RunDir
 
@@ -172,7 +172,7 @@ def _train(
             optimization=optimization,
             loaders=loaders,
             outputs=Outputs(sink, checkpointer, profile_dir=run.path / "profile"),
-            selection=Selection.build(
+            selection=ModelSelection.build(
                 resolve_monitor(cfg.objective, task.directions()),
                 keep_best=cfg.checkpoint.best,
                 early_stopping=trainer.early_stopping,
@@ -296,13 +296,13 @@ def build_meter(
     task: Task,
     batch: Any,
     precision: str,
-) -> HardwareMeter:
+) -> UtilizationMeter:
     """The logged hardware metrics: the FLOPs of one optimizer step of the whole job
     (trainer.count_flops) and one device's peak for MFU (trainer.peak_tflops or the table)."""
     t = cfg.trainer
     step_flops = step_flops_of(cfg, env, device, task, batch) if t.count_flops else None
     peak = device_peak_tflops(t.peak_tflops, device, precision)
-    return HardwareMeter(step_flops, peak, device, env.rank, env.world_size)
+    return UtilizationMeter(step_flops, peak, device, env.rank, env.world_size)
 
 
 def step_flops_of(

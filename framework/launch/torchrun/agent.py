@@ -27,7 +27,7 @@ from framework.config.validation import node_range
 from framework.core import launch_context, startup_clock
 from framework.core.exits import Stopped, WorkerFailed, root_cause
 from framework.launch import forkserver
-from framework.run.stopping import stop_signal_names
+from framework.rank.stopping import stop_signal_names
 
 
 def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
@@ -108,7 +108,7 @@ def _elastic_worker(
         startup_clock.count_from_now()
     startup_clock.mark("start ranks")
     # Imported in the rank (the fork server has it loaded): the launcher never needs it.
-    from framework.launch.rank_process import run_worker
+    from framework.launch.rank_entry import run_worker
 
     # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra,
     # so this rank must not wait for another rank's config the way an external torchrun does.

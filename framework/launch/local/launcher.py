@@ -25,7 +25,7 @@ from framework.core.exits import root_cause
 from framework.core.launch_context import DistEnv
 from framework.launch import forkserver
 from framework.launch.failure_store import failure_messages
-from framework.run.stopping import stop_signal_names
+from framework.rank.stopping import stop_signal_names
 
 EXIT_GRACE_S = 3.0  # after a rank fails: time for the others to exit before SIGTERM, then SIGKILL
 
@@ -112,7 +112,7 @@ def _local_worker(
     forkserver.adopt(environ, cwd, stdio)
     startup_clock.mark("start ranks")
     # Imported in the rank (the fork server has it loaded): the launcher never needs it.
-    from framework.launch.rank_process import run_worker
+    from framework.launch.rank_entry import run_worker
 
     env = DistEnv(
         rank=local_rank,

@@ -1,5 +1,5 @@
 """FLOPs counted against the exact matmul count of the MLP, the peak table, and the metrics
-made from a log window (framework/components/hardware.py)."""
+made from a log window (framework/components/utilization.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 from framework.components.data import to_device
-from framework.components.hardware import (
-    HardwareMeter,
+from framework.components.models import GPT, MLP
+from framework.components.tasks import Classification, LanguageModel
+from framework.components.utilization import (
+    UtilizationMeter,
     device_peak_tflops,
     micro_batch_flops,
     peak_memory_mib,
     table_peak_tflops,
 )
-from framework.components.models import GPT, MLP
-from framework.components.tasks import Classification, LanguageModel
 from tests.faults import HostReadingMLP
 
 CPU = torch.device("cpu")
@@ -112,7 +112,9 @@ def test_no_peak_on_a_cpu_unless_configured():
 
 
 def test_a_log_windows_tflops_mfu_and_memory():
-    meter = HardwareMeter(step_flops=3 * 10**12, peak_tflops=4.0, device=CPU, rank=1, world_size=2)
+    meter = UtilizationMeter(
+        step_flops=3 * 10**12, peak_tflops=4.0, device=CPU, rank=1, world_size=2
+    )
     metrics = meter.metrics(steps=5, seconds=2.0, memory_mib=[100.0, 300.0])
     assert metrics == {
         "tflops_per_s": 7.5,  # 5 steps x 3 TFLOP / 2 s
@@ -121,12 +123,12 @@ def test_a_log_windows_tflops_mfu_and_memory():
         "memory/peak_mib_min": 100.0,
         "memory/peak_mib_max_rank": 1,
     }
-    assert "mfu" not in HardwareMeter(10**12, None, CPU, 0, 1).metrics(1, 1.0, [1.0])
-    assert HardwareMeter(None, 4.0, CPU, 0, 1).summary(10, 1.0) == {}
+    assert "mfu" not in UtilizationMeter(10**12, None, CPU, 0, 1).metrics(1, 1.0, [1.0])
+    assert UtilizationMeter(None, 4.0, CPU, 0, 1).summary(10, 1.0) == {}
 
 
 def test_each_rank_fills_its_own_slot_of_the_memory_rider():
-    rider = HardwareMeter(None, None, CPU, rank=2, world_size=4).memory_rider()
+    rider = UtilizationMeter(None, None, CPU, rank=2, world_size=4).memory_rider()
     assert rider.dtype == torch.float64 and rider.shape == (4,)
     assert rider[[0, 1, 3]].tolist() == [0.0, 0.0, 0.0]
     # The peak resident memory of a process that imported torch: more than 50 MiB.

@@ -1,4 +1,4 @@
-"""What the evaluations decide (framework/run/selection.py): the best K checkpoints in the
+"""What the evaluations decide (framework/rank/model_selection.py): the best K checkpoints in the
 monitor's direction, early stopping's patience and min_delta, and the test's weights."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from framework.core.launch_context import DistEnv
-from framework.run.selection import BestCheckpoints, EarlyStopping, Selection
-from framework.run.state import Model
+from framework.rank.model_selection import BestCheckpoints, EarlyStopping, ModelSelection
+from framework.rank.state import Model
 from framework.storage.checkpoint import Checkpointer, step_files
 
 
@@ -85,8 +85,8 @@ def test_early_stopping_without_patience_never_stops():
     assert stopping.best_score is None  # nothing is followed
 
 
-def selection(keep: int = 2, patience: int | None = 2) -> Selection:
-    return Selection.build(
+def selection(keep: int = 2, patience: int | None = 2) -> ModelSelection:
+    return ModelSelection.build(
         ("val/loss", "min"), keep_best=keep, early_stopping={"patience": patience, "min_delta": 0.0}
     )
 

@@ -18,7 +18,7 @@ from framework.config.redaction import redact_multirun_master, write_hydra_recor
 from framework.config.validation import joins_other_node, require, spans_nodes
 from framework.core import launch_context
 from framework.core.exits import ConfigError, end
-from framework.launch.slurm_partition import check_cluster
+from framework.launch.slurm.partition import check_cluster
 from framework.storage.run_dir import RunDir, creation_problem
 
 

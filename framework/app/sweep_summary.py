@@ -16,7 +16,7 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 
-from framework.run.plots import plot_sweep, try_plot
+from framework.rank.plots import plot_sweep, try_plot
 from framework.storage.run_dir import RunDir
 
 log = logging.getLogger(__name__)

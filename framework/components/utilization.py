@@ -86,7 +86,7 @@ def device_peak_tflops(
     if found is None:
         log.info(
             "no MFU: %s at precision=%s is not in the peak table "
-            "(framework/components/hardware.py); set trainer.peak_tflops",
+            "(framework/components/utilization.py); set trainer.peak_tflops",
             name,
             precision,
         )
@@ -157,7 +157,7 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MIB  # kB on Linux
 
 
-class HardwareMeter:
+class UtilizationMeter:
     """The logging step's hardware metrics: achieved TFLOP/s and MFU over the log window, and
     every rank's peak memory, which travels to rank 0 on the logging step's one all-reduce
     (`memory_rider`: each rank fills its own slot)."""

@@ -3,8 +3,8 @@ stops early (trainer.early_stopping), and which weights the test split sees at t
 
 All of it follows one validation metric, the monitor (the objective when it is a validation
 metric, else the task's main one). Every rank has the same metrics (one all-reduce), so every
-rank decides the same without an exchange. The loop calls `Selection.after_evaluation` after each
-evaluation and `Selection.test_weights` before the test.
+rank decides the same without an exchange. The loop calls `ModelSelection.after_evaluation`
+after each evaluation and `ModelSelection.test_weights` before the test.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from framework.core.distributed import broadcast_object
-from framework.run.state import Model
+from framework.rank.state import Model
 from framework.storage.checkpoint import Checkpointer
 from framework.storage.checkpoint import read as read_checkpoint
 
@@ -77,7 +77,7 @@ class EarlyStopping:
             )
 
 
-class Selection:
+class ModelSelection:
     """Best-K checkpoints, early stopping and the test's weights, on one monitored metric.
     Saved in the checkpoint's "trainer" entry (keys best, best_score, stale_evaluations,
     stopped_early)."""
@@ -89,7 +89,7 @@ class Selection:
     @classmethod
     def build(
         cls, monitor: tuple[str, str], keep_best: int, early_stopping: dict[str, Any]
-    ) -> Selection:
+    ) -> ModelSelection:
         """From (metric, "min" | "max"), checkpoint.best and trainer.early_stopping."""
         name, maximize = monitor[0], monitor[1] == "max"
         return cls(

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from framework.core import launch_context
 from framework.core.exits import ExitCode
-from framework.launch.rank_process import run_worker
+from framework.launch.rank_entry import run_worker
 from framework.storage.run_dir import RunDir, is_throwaway
 
 

@@ -1,6 +1,6 @@
 """The one training loop: fit() -> train_step() / evaluation -> checkpoints and metric sinks.
 
-The Runner is handed the run's parts already built (framework/run/assemble.py): the model and
+The Runner is handed the run's parts already built (framework/rank/assemble.py): the model and
 optimization bundles and the state a checkpoint holds (state.py), the loaders, where results go
 (`Outputs`), what evaluations decide (selection.py) and the stop-signal exchange (stopping.py).
 """
@@ -25,18 +25,18 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from framework.components.data import Loaders, to_device
-from framework.components.hardware import HardwareMeter
 from framework.components.loggers import MetricSink
 from framework.components.strategy import local
 from framework.components.tasks import Task
 from framework.components.tasks.base import Count
+from framework.components.utilization import UtilizationMeter
 from framework.core import startup_clock
 from framework.core.distributed import all_reduce_sum
 from framework.core.exits import ReplicasDiverged, Stopped
 from framework.core.launch_context import DistEnv
-from framework.run.evaluation import evaluate
-from framework.run.selection import Selection
-from framework.run.state import (
+from framework.rank.evaluation import evaluate
+from framework.rank.model_selection import ModelSelection
+from framework.rank.state import (
     FlatStates,
     LoaderPosition,
     Model,
@@ -45,7 +45,7 @@ from framework.run.state import (
     StateRegistry,
     TrainState,
 )
-from framework.run.stopping import NonFinitePolicy, NonFiniteWatch, SignalExchange
+from framework.rank.stopping import NonFinitePolicy, NonFiniteWatch, SignalExchange
 from framework.storage.checkpoint import Checkpointer, check_model_keys
 
 log = logging.getLogger("framework")
@@ -84,9 +84,9 @@ class Runner:
         optimization: Optimization,
         loaders: Loaders,
         outputs: Outputs,
-        selection: Selection,
+        selection: ModelSelection,
         signals: SignalExchange,
-        meter: HardwareMeter,  # FLOP/s, MFU and peak memory on logging steps
+        meter: UtilizationMeter,  # FLOP/s, MFU and peak memory on logging steps
     ) -> None:
         self.env, self.device, self.cfg, self.task = env, device, trainer, task
         self.model, self.loaders, self.selection, self.signals = model, loaders, selection, signals

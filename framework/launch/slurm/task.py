@@ -2,7 +2,7 @@
 config, the same run dir) and is one rank (its place comes from
 framework/core/launch_context.py); rank 0 hands a preemption or time-out back to submitit once
 the ranks have saved. The submitting side is hydra-submitit-launcher
-(hydra_plugins/) and framework/launch/slurm_partition.py."""
+(hydra_plugins/) and framework/launch/slurm/partition.py."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from framework.core.exits import (
     Stopped,
 )
 from framework.core.launch_context import DistEnv
-from framework.launch.rank_process import exit_now, report, run_worker
-from framework.run.assemble import run
-from framework.run.stopping import received_signals
+from framework.launch.rank_entry import exit_now, report, run_worker
+from framework.rank.assemble import run
+from framework.rank.stopping import received_signals
 
 
 def task_env(launcher: DictConfig) -> DistEnv:

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from framework.core.exits import Outcome, Rejected, Stopped, announce, outcome_of
 from framework.core.launch_context import DistEnv
 from framework.launch.failure_store import tell_launcher
-from framework.run.assemble import run
+from framework.rank.assemble import run
 
 
 def run_worker(

@@ -1,6 +1,6 @@
 """The hardware metrics on real 2-rank gloo jobs: FLOPs per step against the exact matmul count,
 TFLOP/s and MFU from the same window as samples/s, every rank's peak memory, and losses that
-counting does not change (framework/components/hardware.py)."""
+counting does not change (framework/components/utilization.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from framework.components.models import MLP
 from tests.conftest import FAULTS, make_cfg, read_metrics, train_losses, train_many
-from tests.unit.test_hardware import mlp_flops
+from tests.unit.test_utilization import mlp_flops
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

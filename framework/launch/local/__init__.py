@@ -1,0 +1,1 @@
+"""launcher=local: ranks forked on this machine from the process `train` started."""
