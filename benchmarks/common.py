@@ -301,11 +301,12 @@ def run_ours(trial: Trial, ctx: TrialContext, overrides: Sequence[str] = ()) -> 
 
 
 def run_train(overrides: list[str], ctx: TrialContext, warmup: int) -> dict[str, Any] | None:
-    """framework.rank.assemble.run on this rank, what a spawned rank of `train` runs. Rank 0 returns
-    the summary, the train events of metrics.jsonl and the steady samples/s after `warmup`."""
+    """framework.rank.main.rank_main on this rank, what a spawned rank of `train` runs. Rank 0
+    returns the summary, the train events of metrics.jsonl and the steady samples/s after
+    `warmup`."""
     from framework.core import startup_clock
     from framework.core.launch_context import DistEnv
-    from framework.rank.assemble import run
+    from framework.rank.main import rank_main
 
     startup_clock.count_from_now()
     cfg = compose(overrides)
@@ -318,7 +319,7 @@ def run_train(overrides: list[str], ctx: TrialContext, warmup: int) -> dict[str,
         local_world_size=ctx.world_size,
         source="local",
     )
-    summary = run(cfg, run_dir, env, ctx.store if ctx.world_size > 1 else None)
+    summary = rank_main(cfg, run_dir, env, ctx.store if ctx.world_size > 1 else None)
     if ctx.rank != 0:
         return None
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

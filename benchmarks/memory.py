@@ -97,15 +97,25 @@ def measured_train(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
     reset_peak_rss()
     start_mib = peak_memory_mib(CPU)
     captured: dict[str, int] = {}
-    original = Runner._apply_update
+    original = Runner.update
 
-    def apply_and_measure(runner: Runner, found_inf: torch.Tensor | None) -> Any:
-        applied = original(runner, found_inf)
-        if not captured:
-            captured.update(state_bytes(runner.model.module, runner.optimizer))
-        return applied
+    def update_and_measure(runner: Runner, step: int, totals: torch.Tensor) -> Any:
+        """The update, measured just before it zeroes the gradients."""
+        optimizer = runner.optimizer
+        zero_grad = optimizer.zero_grad
 
-    Runner._apply_update = apply_and_measure
+        def measure_then_zero(set_to_none: bool = True) -> None:
+            if not captured:
+                captured.update(state_bytes(runner.model.module, optimizer))
+            zero_grad(set_to_none=set_to_none)
+
+        optimizer.zero_grad = measure_then_zero  # type: ignore[method-assign]
+        try:
+            return original(runner, step, totals)
+        finally:
+            del optimizer.zero_grad  # the class's again
+
+    Runner.update = update_and_measure
     try:
         strategy, warmup = trial.extra["strategy"], trial.work.warmup
         result = run_train(
@@ -114,7 +124,7 @@ def measured_train(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
             warmup,
         )
     finally:
-        Runner._apply_update = original
+        Runner.update = original
     mine = {**captured, "peak_mib": peak_memory_mib(CPU), "start_mib": start_mib}
     ctx.store.set(f"rank/{ctx.rank}", json.dumps(mine))
     if ctx.rank != 0:

@@ -1,6 +1,6 @@
 """`train` / `python -m framework.train`: the command. Checks the command line, composes the
 config once (Hydra), hands it to the launcher and turns how the run ended into an exit code
-(framework/core/exits.py). What each rank does is framework/rank/assemble.py.
+(framework/core/exits.py). What each rank does is framework/rank/main.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.app.eval_overrides import with_training_overrides
-from framework.app.hydra_errors import run_app
+from framework.app.hydra_errors import run_with_exit_codes
 from framework.app.hydra_node_check import check_composed_hydra_node
 from framework.config import CONF_DIR, validate
 from framework.config.redaction import hide_command_line_secrets
@@ -117,7 +117,7 @@ def main() -> None:
         cleanup_dir = throwaway_dir()
         sys.argv += [f"hydra.run.dir={cleanup_dir}", "hydra.callbacks.validate.output_subdir=null"]
     try:
-        run_app(hydra_app)
+        run_with_exit_codes(hydra_app)
     finally:
         if cleanup_dir:
             shutil.rmtree(cleanup_dir, ignore_errors=True)

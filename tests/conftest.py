@@ -210,7 +210,7 @@ def spawn_ranks(fn, *args, world_size: int = 2) -> None:
 
 def _rank_entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     import torch
-    import torch._dynamo  # noqa: F401  (before any process group, as framework.rank.assemble does it)
+    import torch._dynamo  # noqa: F401  (before any process group, as framework.rank.main does it)
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -234,7 +234,7 @@ def train_many(jobs: list[tuple[DictConfig, Path]], world_size: int = 2) -> list
 def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
     from framework.core import startup_clock
     from framework.core.launch_context import DistEnv
-    from framework.rank.assemble import run
+    from framework.rank.main import rank_main
 
     env = DistEnv(
         rank=rank,
@@ -246,7 +246,7 @@ def _train_many_entry(rank: int, jobs, world_size: int, port: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     for index, (cfg, run_dir) in enumerate(jobs):
         startup_clock.count_from_now()
-        run(cfg, run_dir, env, dist.PrefixStore(f"job{index}", store))
+        rank_main(cfg, run_dir, env, dist.PrefixStore(f"job{index}", store))
 
 
 # --- fault tests: tiny 2-rank runs with a fault from FRAMEWORK_TEST_FAULT (tests/faults.py) ----

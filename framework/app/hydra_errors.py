@@ -4,9 +4,10 @@ we find (framework/core/exits.py), as one `error:` line.
 
 Hydra runs the app inside its `run_and_report`, which prints any exception and exits 1: it has no
 hook for the exit code. It re-raises instead when HYDRA_FULL_ERROR=1, its documented switch for
-full tracebacks, so `run_app` sets that switch while the app runs and prints what Hydra would
-have. A user who sets HYDRA_FULL_ERROR=1 still gets Hydra's traceback. tests/integration/
-test_cli.py holds this to Hydra's behaviour: the exit code and the message of each kind.
+full tracebacks, so `run_with_exit_codes` sets that switch while the app runs and prints what
+Hydra would have. A user who sets HYDRA_FULL_ERROR=1 still gets Hydra's traceback.
+tests/integration/test_cli.py holds this to Hydra's behaviour: the exit code and the message of
+each kind.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ FULL_ERROR = "HYDRA_FULL_ERROR"
 CONFIG_MISTAKES = (ConfigCompositionException, MissingConfigException, OverrideParseException)
 
 
-def run_app(app: Callable[[], Any]) -> None:
+def run_with_exit_codes(app: Callable[[], Any]) -> None:
     """Run a `@hydra.main` app: Hydra's config mistakes exit 2, its other reports exit 1."""
     wants_traceback = os.environ.get(FULL_ERROR) == "1"
     try:

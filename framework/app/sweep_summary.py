@@ -1,6 +1,6 @@
 """A Hydra multirun (`train -m ...`): what each job ended with, and the sweep's summary table.
 
-The launchers in hydra_plugins/framework_launchers hand every batch of finished jobs to
+The sweep launchers (framework/app/summarized_sweep.py) hand every finished job to
 `SweepSummary.add`; it rewrites `summary.csv` and `summary.md` in the sweep dir, one row per
 job: its number, status, overrides and final metrics, or why it failed.
 """

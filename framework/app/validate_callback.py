@@ -13,6 +13,7 @@ from hydra.plugins.config_source import ConfigSource
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from framework.app.config_search_path import PROJECT_PROVIDER, USER_PROVIDER
 from framework.config import validate
 from framework.config.redaction import redact_multirun_master, write_hydra_record
 from framework.config.validation import joins_other_node, require, spans_nodes
@@ -100,8 +101,7 @@ def _check_creatable(setting: str, path: Path) -> None:
     require(problem is None, f"{setting}={path} cannot be created: {problem}; choose another")
 
 
-# Search path entries of the user's own config folders (hydra_plugins/framework_launchers).
-USER_PROVIDERS = ("framework-project", "framework-user")
+USER_PROVIDERS = (PROJECT_PROVIDER, USER_PROVIDER)  # the user's own config folders
 
 
 def check_config_folders(config: DictConfig) -> None:
@@ -115,9 +115,7 @@ def check_config_folders(config: DictConfig) -> None:
         sources[source.provider] = found = kind(source.provider, f"{source.schema}://{source.path}")
         if not found.available():
             where = (
-                "FRAMEWORK_CONFIG_PATH"
-                if source.provider == "framework-user"
-                else "hydra.searchpath"
+                "FRAMEWORK_CONFIG_PATH" if source.provider == USER_PROVIDER else "hydra.searchpath"
             )
             raise ConfigError(
                 f"{where}: {source.schema}://{source.path} is not a folder of config files (it "

@@ -3,14 +3,13 @@
 Built from `precision=<option>` by `_target_` (a partial: the rank supplies the device).
 
 fp32: plain. bf16: autocast to bfloat16, no scaling (bf16 has fp32's exponent range).
-amp: autocast to float16 with a dynamically scaled loss (GradScaler); gradients are unscaled
-before clipping and a step with inf/NaN gradients is skipped.
+amp: autocast to float16 with a dynamically scaled loss (GradScaler); `unscale` lets the loop
+clip true gradients, and a step with inf/NaN gradients is skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -37,17 +36,12 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(
-        self,
-        optimizer: Optimizer,
-        params: Iterable[torch.Tensor],
-        clip_grad_norm: float | None,
-        found_inf: torch.Tensor | None = None,
-    ) -> None:
-        """Clip, then step. `found_inf` (a device flag, 1: drop this update) reaches the
+    def unscale(self, optimizer: Optimizer) -> None:
+        """Before clipping: the gradients as they are (only amp's carry a scale)."""
+
+    def step(self, optimizer: Optimizer, found_inf: torch.Tensor | None = None) -> None:
+        """The optimizer's step. `found_inf` (a device flag, 1: drop this update) reaches the
         optimizer the way GradScaler tells a fused optimizer to skip: no host read."""
-        if clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         if found_inf is None:
             optimizer.step()
             return
@@ -108,16 +102,14 @@ class AMP(Precision):
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
+    def unscale(self, optimizer: Optimizer) -> None:
+        self.scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
+
     def step(
         self,
         optimizer: Optimizer,
-        params: Iterable[torch.Tensor],
-        clip_grad_norm: float | None,
         found_inf: torch.Tensor | None = None,  # GradScaler finds inf/NaN gradients itself
     ) -> None:
-        self.scaler.unscale_(optimizer)  # clip true gradients, not scaled ones
-        if clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         # update() shrinks the scale exactly when it skipped the step for inf/NaN gradients.
         # Compared on device (GradScaler has no public async getter): no per-step host sync.
         scale_before = self.scaler._get_scale_async().clone()

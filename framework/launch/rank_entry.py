@@ -1,4 +1,5 @@
-"""One rank of a multi-process job, from start to exit code (framework/core/exits.py's table)."""
+"""The one way into a rank, from every start path (framework/launch/start.py's table), and how
+the rank's outcome becomes an exit code (framework/core/exits.py's table)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,29 @@ from omegaconf import DictConfig
 from framework.core.exits import Outcome, Rejected, Stopped, announce, outcome_of
 from framework.core.launch_context import DistEnv
 from framework.launch.failure_store import tell_launcher
-from framework.rank.assemble import run
+from framework.rank.main import rank_main
 
 
-def run_worker(
-    cfg: DictConfig, run_dir: Path, env: DistEnv, store=None, stop_exit_code: int | None = None
+def enter_rank(
+    cfg: DictConfig,
+    run_dir: Path,
+    env: DistEnv,
+    store=None,
+    *,
+    own_process: bool = True,
+    stop_exit_code: int | None = None,
 ) -> dict | None:
-    """Run this rank and return its summary, or leave with the exit code its launcher reads
-    (after a stop: stop_exit_code, if given)."""
+    """Run this rank; returns its summary (rank 0's; None elsewhere).
+
+    In a process of its own (own_process), every way out becomes the exit code its launcher
+    reads (after a stop: stop_exit_code, if given), and the reason goes to the launcher's
+    store. In the process that runs the app (one rank in the process, a SLURM job's rank 0),
+    the outcome is raised for the app to report."""
+    if not own_process:
+        return rank_main(cfg, run_dir, env, store)
     try:
-        return run(cfg, run_dir, env, store)
-    except BaseException as error:  # noqa: BLE001 (every way out becomes an exit code)
+        return rank_main(cfg, run_dir, env, store)
+    except BaseException as error:  # every way out becomes an exit code
         outcome = report(error, env, cfg.dist.timeout_s, store)
         if isinstance(error, Rejected):  # before training: a normal exit
             raise SystemExit(outcome.code) from None

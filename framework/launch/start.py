@@ -65,22 +65,22 @@ def how_ranks_start(launcher: DictConfig, here: LaunchContext) -> Start:
 def start(how: Start, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Run cfg's ranks as `how` says; returns rank 0's summary where this process has it."""
     if how is Start.SLURM_FOLLOWER:
-        from framework.launch.slurm.task import run_follower  # a rank: imports the stack
+        from framework.launch.slurm.task import follower_rank  # a rank: imports the stack
 
-        run_follower(cfg, run_dir)
+        follower_rank(cfg, run_dir)
         return None
     if how is Start.SLURM_TASK:
-        from framework.launch.slurm.task import run_task  # a rank: imports the stack
+        from framework.launch.slurm.task import task_rank  # a rank: imports the stack
 
-        return run_task(cfg, run_dir)
+        return task_rank(cfg, run_dir)
     if how is Start.EXTERNAL_TORCHRUN_RANK:
-        from framework.launch.torchrun.external import run_torchrun_rank  # a rank, as above
+        from framework.launch.torchrun.external import external_rank  # a rank, as above
 
-        return run_torchrun_rank(cfg, run_dir)
+        return external_rank(cfg, run_dir)
     if how is Start.IN_PROCESS:
-        from framework.rank.assemble import run  # a rank, as above
+        from framework.launch.rank_entry import enter_rank  # a rank, as above
 
-        return run(cfg, run_dir, DistEnv())
+        return enter_rank(cfg, run_dir, DistEnv(), own_process=False)
     if how is Start.TORCHRUN_AGENT:
         launch_elastic(cfg, run_dir)
     else:

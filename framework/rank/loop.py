@@ -1,8 +1,10 @@
 """The one training loop: fit() -> train_step() / evaluation -> checkpoints and metric sinks.
 
-The Runner is handed the run's parts already built (framework/rank/assemble.py): the model and
-optimization bundles and the state a checkpoint holds (state.py), the loaders, where results go
-(`Outputs`), what evaluations decide (selection.py) and the stop-signal exchange (stopping.py).
+The Runner is handed the run's parts already built (framework/rank/build.py): the model and
+optimization bundles, the loaders, where results go (`Outputs`), what evaluations decide
+(model_selection.py), the stop-signal exchange (stopping.py) and the trainer settings. Its side
+paths each have one owner: the checkpoint holds `run_states` (state.py) and the Checkpointer
+decides when and how it is saved; non-finite values are the NonFiniteGuard's (nonfinite.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -26,26 +27,26 @@ from tqdm import tqdm
 
 from framework.components.data import Loaders, to_device
 from framework.components.loggers import MetricSink
-from framework.components.strategy import local
 from framework.components.tasks import Task
-from framework.components.tasks.base import Count
+from framework.components.tasks.base import Count, TaskLoss
 from framework.components.utilization import UtilizationMeter
+from framework.config.schemas import TrainerConfig
 from framework.core import startup_clock
 from framework.core.distributed import all_reduce_sum
 from framework.core.exits import ReplicasDiverged, Stopped
 from framework.core.launch_context import DistEnv
 from framework.rank.evaluation import evaluate
 from framework.rank.model_selection import ModelSelection
+from framework.rank.nonfinite import NonFiniteGuard
 from framework.rank.state import (
-    FlatStates,
     LoaderPosition,
     Model,
     Optimization,
     RNGStreams,
-    StateRegistry,
     TrainState,
+    run_states,
 )
-from framework.rank.stopping import NonFinitePolicy, NonFiniteWatch, SignalExchange
+from framework.rank.stopping import SignalExchange
 from framework.storage.checkpoint import Checkpointer, check_model_keys
 
 log = logging.getLogger("framework")
@@ -78,7 +79,7 @@ class Runner:
         *,
         env: DistEnv,
         device: torch.device,
-        trainer: SimpleNamespace,  # trainer.* as plain attributes (read every step)
+        trainer: TrainerConfig,
         task: Task,
         model: Model,
         optimization: Optimization,
@@ -88,12 +89,13 @@ class Runner:
         signals: SignalExchange,
         meter: UtilizationMeter,  # FLOP/s, MFU and peak memory on logging steps
     ) -> None:
-        self.env, self.device, self.cfg, self.task = env, device, trainer, task
+        self.env, self.device, self.trainer, self.task = env, device, trainer, task
         self.model, self.loaders, self.selection, self.signals = model, loaders, selection, signals
         self.sink, self.checkpointer = outputs.sink, outputs.checkpointer
         self.meter = meter
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
         self.precision, self.comm = optimization.precision, optimization.comm
+        self.strategy = model.strategy
         self.params = list(model.module.parameters())  # walked every step: listed once
         self.global_batch_size = loaders.train.batch_size * env.world_size * trainer.grad_accum
         self.steps_per_epoch = len(loaders.train) // trainer.grad_accum
@@ -101,36 +103,29 @@ class Runner:
         self.profiler = _StepProfiler(
             trainer.profile_steps, outputs.profile_dir if env.is_main else None
         )
-        self.watch = NonFiniteWatch(env, device)
-        self.nonfinite = NonFinitePolicy(trainer.on_nonfinite)
+        self.nonfinite = NonFiniteGuard(
+            trainer.on_nonfinite,
+            env,
+            device,
+            skips_itself=self.precision.skips_nonfinite_grads,
+            agree=self.strategy.agree,
+            epoch_of=self.epoch_of,
+        )
         # trainer.on_nonfinite=skip drops a step's update on the device where the optimizer
         # takes GradScaler's found_inf (torch's fused SGD/Adam/AdamW); others need a host read.
         self.skip_on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
-        self._one = torch.ones((), device=device)  # the "scale" of the gradient check
-        self._true = torch.ones((), dtype=torch.bool, device=device)
         self._last_evaluation: tuple[int, dict[str, float]] | None = None
         self.state = TrainState()
         self.window = _Window(device, extras=task.train_sums)
         self.rng = RNGStreams()
         self.position = LoaderPosition(loaders.train.generator)
-        self.strategy = strategy = model.strategy
-        self.states = StateRegistry(
-            tensors={  # whole from rank 0 (gathered there under fsdp), or each rank's shards
-                "model": strategy.model_state(model.module),
-                "optimizer": strategy.optimizer_state(model.module, self.optimizer),
-                "ema": None if model.ema is None else strategy.model_state(model.ema.module),
-            },
-            shared={  # the same on every rank: rank 0's is saved
-                "scheduler": self.scheduler,
-                "precision": self.precision,
-                "trainer": FlatStates(self.state, selection),
-            },
-            per_rank={
-                "rng": self.rng,
-                "loader_generator": self.position,
-                "comm": self.comm,
-                "window": self.window,
-            },
+        self.states = run_states(
+            model,
+            optimization,
+            self.state,
+            selection,
+            per_rank={"rng": self.rng, "loader_generator": self.position, "window": self.window},
+            steps_per_epoch=self.steps_per_epoch,
         )
 
     # --- the loop ---------------------------------------------------------------------------
@@ -141,12 +136,9 @@ class Runner:
         self.signals.collect()  # the last step's exchange: nothing may stay in flight
         self.look_for_nonfinite()
         self.state.train_seconds += self.window.pause()
-        final_save = self.checkpointer.cfg.final
+        path = self.save_checkpoint(final=True)
         if stop_signal:
-            path = self.save_checkpoint() if final_save else None
             raise Stopped(stop_signal, self.state.step, path and str(path))
-        if final_save:
-            self.save_checkpoint()
         self.checkpointer.finish_pending()  # a background save's failure ends the run here
         self.check_replicas_agree()
         final = self.final_evaluation()
@@ -165,7 +157,6 @@ class Runner:
             lr = self.optimizer.param_groups[0]["lr"]  # before train_step moves the schedule
             self.profiler.before(self.state.step + 1)
             step_totals, agreed_signal = self.train_step(micro_batches)
-            self.state.step += 1
             self.profiler.after(self.state.step)
             if self.state.step == first_step:
                 self._log_startup()
@@ -175,8 +166,7 @@ class Runner:
                 self.log_train(lr)
             if self.evaluates_at(self.state.step):
                 self.periodic_evaluation()
-            if self.saves_at(self.state.step, ending=bool(agreed_signal) or self.done()):
-                self.save_checkpoint()
+            self.save_checkpoint(ending=bool(agreed_signal) or self.done())
             if agreed_signal:
                 break
         progress.close()
@@ -188,7 +178,7 @@ class Runner:
         """Each step's grad_accum micro-batches, epoch after epoch, from where the (resumed)
         run stands."""
         while True:
-            yield from micro_batch_groups(self._epoch_batches(), self.cfg.grad_accum)
+            yield from micro_batch_groups(self._epoch_batches(), self.trainer.grad_accum)
             self.state.epoch += 1
             self.state.samples_in_epoch = 0
 
@@ -207,7 +197,7 @@ class Runner:
             total=self.total_steps,
             initial=self.state.step,
             desc="train",
-            disable=not (self.env.is_main and self.cfg.progress_bar and sys.stderr.isatty()),
+            disable=not (self.env.is_main and self.trainer.progress_bar and sys.stderr.isatty()),
         )
 
     def _log_startup(self) -> None:
@@ -217,7 +207,7 @@ class Runner:
             log.info("start-up: %s", line)
 
     def to_device(self, batch: Any) -> Any:
-        return to_device(batch, self.device, self.cfg.channels_last)
+        return to_device(batch, self.device, self.trainer.channels_last)
 
     def train_step(self, micro_batches: list) -> tuple[torch.Tensor, str | None]:
         """One optimizer step over grad_accum micro-batches. Returns this rank's [loss sum, item
@@ -227,54 +217,50 @@ class Runner:
         model = self.model.train  # DDP-wrapped, compiled: what forward and backward run on
         if not self.model.module.training:  # only after an evaluation: train() walks every module
             model.train()
+        step = self.state.step + 1
         counts = [self.task.count(batch) for batch in micro_batches]
         scale = self._per_item(counts)
-        totals = torch.zeros(2 + len(self.task.train_sums), dtype=torch.float64, device=self.device)
-        last = len(micro_batches) - 1
+        totals = self.window.zeros()
         for index, batch in enumerate(micro_batches):
-            batch = self.to_device(batch)
             # Only the last micro-batch synchronises gradients; the others accumulate locally.
-            sync = index == last or not self.env.distributed
-            no_sync = contextlib.nullcontext() if sync else None
-            with no_sync or self.strategy.no_sync(model, self.model.module):
+            with self._syncing(model, last=index == len(micro_batches) - 1):
                 with self.precision.forward_context():
-                    loss = self.task.loss(model, batch)
+                    loss = self.task.loss(model, self.to_device(batch))
                 self.precision.backward(loss.total * scale)
-            totals[0] += loss.total.detach()
-            for position, name in enumerate(self.task.train_sums, start=2):
-                totals[position] += loss.sums[name]
+            totals += self.window.row(loss)
         totals[1] += sum(counts)
-        step = self.state.step + 1
         agreed_signal = self.signals.exchange(step, logging=self.logs_at(step))
-        found_inf = self._grads_found_inf()
-        applied = self._apply_update(found_inf)
-        self.watch.add(step, totals, found_inf, dropped=None if applied is None else ~applied)
-        self.optimizer.zero_grad(set_to_none=True)
+        applied = self.update(step, totals)
         self.scheduler.step()
-        self.state.samples_seen += self.global_batch_size
-        self.state.samples_in_epoch += self.global_batch_size
+        self.state.advance(self.global_batch_size)
         # A dropped update's loss is not averaged into train/loss.
-        kept = totals if applied is None else torch.where(applied, totals, 0.0)
-        return kept, agreed_signal
+        return (totals if applied is None else torch.where(applied, totals, 0.0)), agreed_signal
 
-    def _apply_update(self, found_inf: torch.Tensor | None) -> torch.Tensor | None:
-        """The optimizer step (and the EMA's). With trainer.on_nonfinite=skip the update is
-        dropped where the gradients are non-finite; returns whether it was applied (a device
-        flag), or None under `stop` (nothing after it is ever saved)."""
-        clip = self.cfg.clip_grad_norm
-        if self.nonfinite.stops or found_inf is None:  # (None: amp's scaler skips it itself)
-            self.precision.step(self.optimizer, self.params, clip)
-            applied = None if self.nonfinite.stops else self._true
-        elif self.skip_on_device:
-            self.precision.step(self.optimizer, self.params, clip, found_inf=found_inf)
-            applied = found_inf == 0
-        else:  # an optimizer that cannot skip on the device: one host read per step
-            applied = found_inf == 0
-            if bool(applied):
-                self.precision.step(self.optimizer, self.params, clip)
+    def update(self, step: int, totals: torch.Tensor) -> torch.Tensor | None:
+        """nanoGPT's order: unscale (amp), clip, step the optimizer (and the EMA) unless the
+        non-finite guard drops the update, zero the gradients. Returns whether the update was
+        applied (a device flag; None: trainer.on_nonfinite=stop, which never drops one)."""
+        self.precision.unscale(self.optimizer)
+        if self.trainer.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.trainer.clip_grad_norm)
+        applied = self.nonfinite.step(
+            step,
+            totals,
+            self.params,
+            update=lambda found_inf: self.precision.step(self.optimizer, found_inf),
+            skip_on_device=self.skip_on_device,
+        )
         if self.model.ema is not None:
             self.model.ema.update(self.model.module, applied)
+        self.optimizer.zero_grad(set_to_none=True)
         return applied
+
+    def _syncing(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """Gradient synchronisation on the last micro-batch of a step; local accumulation
+        before it."""
+        if last or not self.env.distributed:
+            return contextlib.nullcontext()
+        return self.strategy.no_sync(model, self.model.module)
 
     def _per_item(self, counts: list[Count]) -> float | torch.Tensor:
         """What each micro-batch's summed loss is multiplied by: world_size / the items of the
@@ -290,29 +276,12 @@ class Runner:
         total = all_reduce_sum(local.to(self.device, non_blocking=True))  # one small collective
         return self.env.world_size / total.clamp_min(1.0)
 
-    def _grads_found_inf(self) -> torch.Tensor | None:
-        """A device flag as GradScaler makes it (1.0: some gradient is inf or NaN), found in
-        one fused pass by GradScaler's own check with the scale 1 (a multiplication by 1 leaves
-        every gradient bit-identical). None under amp, whose scaler checks and skips itself.
-        After DDP's synchronisation the gradients are identical on every rank, so this rank's
-        answer is every rank's, at the same step, with no exchange (under strategy=fsdp each
-        rank checks its shard, and the strategy makes the answer everyone's)."""
-        if self.precision.skips_nonfinite_grads:
-            return None
-        found_inf = torch.zeros((), device=self.device)
-        grads = [local(p.grad) for p in self.params if p.grad is not None]
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self._one)
-        return self.strategy.agree(found_inf)
-
     def look_for_nonfinite(self, rider: torch.Tensor | None = None) -> list[float]:
-        """Collective, before anything is logged or saved: a non-finite loss or gradient since
-        the last look stops the run (nothing after it is written) or is reported as skipped.
-        `rider` is summed over the ranks in the same all-reduce and returned."""
-        report, summed = self.watch.look_carrying(rider)
-        if report is not None:
-            self.nonfinite.handle(report, self.epoch_of, self.checkpointer.last_path)
-            self.state.nonfinite_skipped += report.dropped
+        """Collective, before anything is logged or saved (nonfinite.py). `rider` is summed over
+        the ranks in the same all-reduce and returned."""
+        skipped_before = self.nonfinite.skipped
+        summed = self.nonfinite.look(self.checkpointer.last_path, rider)
+        self.state.nonfinite_skipped += self.nonfinite.skipped - skipped_before
         return summed
 
     # --- when ---------------------------------------------------------------------------------
@@ -323,17 +292,13 @@ class Runner:
         return round(self.state.step / max(self.steps_per_epoch, 1), 4)
 
     def logs_at(self, step: int) -> bool:
-        return step % self.cfg.log_every == 0 or step >= self.total_steps
+        return step % self.trainer.log_every == 0 or step >= self.total_steps
 
     def evaluates_at(self, step: int) -> bool:
         """Every trainer.eval_every steps; the last step's evaluation is the final one, after
         the final save."""
-        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0 and not self.finished()
-
-    def saves_at(self, step: int, ending: bool) -> bool:
-        """Every checkpoint.every steps; at the run's last step only when fit() does not save
-        there anyway (checkpoint.final)."""
-        return self.checkpointer.due(step) and not (ending and self.checkpointer.cfg.final)
+        every = self.trainer.eval_every
+        return bool(every) and step % every == 0 and not self.finished()
 
     def finished(self) -> bool:
         return self.state.step >= self.total_steps
@@ -427,27 +392,18 @@ class Runner:
         self.sink.log({"step": self.state.step, "epoch": self.epochs_done(), **metrics})
 
     # --- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(self, best: tuple[float, bool] | None = None) -> Path:
-        """Collective. `best`: (score, maximize) saves among the best checkpoints instead."""
-        self.look_for_nonfinite()
-        if self.checkpointer.sharded:
-            return self.checkpointer.save_sharded(
-                self.state.step,
-                self.states.shard_state_dicts(),
-                lambda: {**self.states.small_state_dict(), "steps_per_epoch": self.steps_per_epoch},
-                self.states.rank_state_dict(),
-                best=best,
-            )
-
-        # Built on rank 0 only, unless the states are gathered there (a collective).
-        built = self.states.shared_state_dict() if self.strategy.shards else None
-
-        def shared() -> dict[str, Any]:
-            states = built if built is not None else self.states.shared_state_dict()
-            return {**states, "steps_per_epoch": self.steps_per_epoch}
-
+    def save_checkpoint(
+        self, *, ending: bool = False, final: bool = False, best: tuple[float, bool] | None = None
+    ) -> Path | None:
+        """Collective: the checkpoint of this step where the Checkpointer says one is due (or
+        `best`: (score, maximize), among the best), after a look for non-finite values."""
         return self.checkpointer.save(
-            self.state.step, shared, self.states.rank_state_dict(), best=best
+            self.state.step,
+            self.states,
+            ending=ending,
+            final=final,
+            best=best,
+            before=self.look_for_nonfinite,
         )
 
     def save_best_checkpoint(self, score: float) -> None:
@@ -521,10 +477,21 @@ class _Window:
     and the training time."""
 
     def __init__(self, device: torch.device, extras: tuple[str, ...] = ()) -> None:
+        self.extras = extras
         self.totals = torch.zeros(2 + len(extras), dtype=torch.float64, device=device)
+        self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self.steps = 0
         self.seconds = 0.0
         self.started = time.perf_counter()
+
+    def zeros(self) -> torch.Tensor:
+        """A step's totals, before its first micro-batch."""
+        return torch.zeros_like(self.totals)
+
+    def row(self, loss: TaskLoss) -> torch.Tensor:
+        """A micro-batch's [loss sum, 0 (the count comes from the batches), train sums...]."""
+        parts = [loss.total, self._zero, *(loss.sums[name] for name in self.extras)]
+        return torch.stack([part.detach().to(torch.float64) for part in parts])
 
     def add(self, step_totals: torch.Tensor) -> None:
         self.totals += step_totals

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from framework.config.schemas import EarlyStoppingConfig
 from framework.core.distributed import broadcast_object
 from framework.rank.state import Model
 from framework.storage.checkpoint import Checkpointer
@@ -88,13 +89,13 @@ class ModelSelection:
 
     @classmethod
     def build(
-        cls, monitor: tuple[str, str], keep_best: int, early_stopping: dict[str, Any]
+        cls, monitor: tuple[str, str], keep_best: int, early_stopping: EarlyStoppingConfig
     ) -> ModelSelection:
         """From (metric, "min" | "max"), checkpoint.best and trainer.early_stopping."""
         name, maximize = monitor[0], monitor[1] == "max"
         return cls(
             BestCheckpoints(keep_best, maximize),
-            EarlyStopping(name, maximize, early_stopping["patience"], early_stopping["min_delta"]),
+            EarlyStopping(name, maximize, early_stopping.patience, early_stopping.min_delta),
         )
 
     @property

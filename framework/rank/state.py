@@ -7,7 +7,7 @@ A checkpoint holds three kinds of state (torchtitan's `states={...}` registry):
   is saved.
 - per rank: what differs between ranks (RNG streams, the loader's position, comm-hook memory,
   the log window); every rank's copy is saved, in rank order.
-A new stateful component is one entry in the registry the Runner builds.
+A new stateful component is one entry in `run_states`, the registry of a training run.
 """
 
 from __future__ import annotations
@@ -70,6 +70,12 @@ class TrainState:
     samples_in_epoch: int = 0  # of the current epoch, all ranks together: where its data resume
     train_seconds: float = 0.0
     nonfinite_skipped: int = 0
+
+    def advance(self, samples: int) -> None:
+        """One optimizer step of `samples` samples (all ranks together) is done."""
+        self.step += 1
+        self.samples_seen += samples
+        self.samples_in_epoch += samples
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -143,24 +149,31 @@ class TensorState(Stateful, Protocol):
 
 class StateRegistry:
     """The states a checkpoint holds, by the key each is saved under. A tensor or shared entry
-    may be None (no EMA): it is saved as None and skipped on load."""
+    may be None (no EMA): it is saved as None and skipped on load. `constants` are saved beside
+    the shared states and never loaded into anything; `gathers`: building the whole tensors is a
+    collective (strategy=fsdp gathers them on rank 0)."""
 
     def __init__(
         self,
         tensors: Mapping[str, TensorState | None],
         shared: Mapping[str, Stateful],
         per_rank: Mapping[str, Stateful],
+        constants: Mapping[str, Any] | None = None,
+        gathers: bool = False,
     ) -> None:
         self.tensors, self.per_rank = dict(tensors), dict(per_rank)
         self.shared: dict[str, Stateful | None] = {**self.tensors, **shared}  # loaded in order
         self.small = dict(shared)
+        self.constants = dict(constants or {})
+        self.gathers = gathers
 
     def shared_state_dict(self) -> dict[str, Any]:
-        """A one-file checkpoint's states, whole. Built on rank 0 only (unless gathering the
-        tensors there is a collective): the other ranks' copies are the same."""
-        return {
+        """A one-file checkpoint's states, whole, with the constants. Built on rank 0 only
+        (unless `gathers`): the other ranks' copies are the same."""
+        states = {
             key: None if item is None else item.state_dict() for key, item in self.shared.items()
         }
+        return {**states, **self.constants}
 
     def shard_state_dicts(self) -> dict[str, Any]:
         """A sharded checkpoint's tensors: this rank's own part of each (every rank calls it)."""
@@ -170,8 +183,8 @@ class StateRegistry:
         }
 
     def small_state_dict(self) -> dict[str, Any]:
-        """A sharded checkpoint's other shared states (rank 0's)."""
-        return {key: item.state_dict() for key, item in self.small.items()}
+        """A sharded checkpoint's other shared states (rank 0's), with the constants."""
+        return {**{key: item.state_dict() for key, item in self.small.items()}, **self.constants}
 
     def rank_state_dict(self) -> dict[str, Any]:
         return {key: item.state_dict() for key, item in self.per_rank.items()}
@@ -190,6 +203,34 @@ class StateRegistry:
             return
         for key, item in self.per_rank.items():
             _load(key, item, rank_state.get(key))
+
+
+def run_states(
+    model: Model,
+    optimization: Optimization,
+    train_state: TrainState,
+    selection: Stateful,
+    per_rank: Mapping[str, Stateful],
+    steps_per_epoch: int,
+) -> StateRegistry:
+    """What a training run's checkpoint holds. `per_rank`: the loop's own per-rank states (RNG
+    streams, the loader's position, the log window), beside the comm hook's."""
+    strategy = model.strategy
+    return StateRegistry(
+        tensors={  # whole from rank 0 (gathered there under fsdp), or each rank's shards
+            "model": strategy.model_state(model.module),
+            "optimizer": strategy.optimizer_state(model.module, optimization.optimizer),
+            "ema": None if model.ema is None else strategy.model_state(model.ema.module),
+        },
+        shared={  # the same on every rank: rank 0's is saved
+            "scheduler": optimization.scheduler,
+            "precision": optimization.precision,
+            "trainer": FlatStates(train_state, selection),
+        },
+        per_rank={**per_rank, "comm": optimization.comm},
+        constants={"steps_per_epoch": steps_per_epoch},
+        gathers=strategy.shards,
+    )
 
 
 def _load(key: str, item: Stateful, state: Any) -> None:

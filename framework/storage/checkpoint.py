@@ -28,12 +28,11 @@ import shutil
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch.distributed.checkpoint import CheckpointException
 
 from framework.core.distributed import broadcast_object
@@ -376,13 +375,35 @@ def newest_valid(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
+class CheckpointSettings(Protocol):
+    """checkpoint.* (framework/config/schemas.py's CheckpointConfig)."""
+
+    every: int
+    keep: int
+    resume: str
+    final: bool
+    best: int
+    async_save: bool
+
+
+class CheckpointStates(Protocol):
+    """What a checkpoint holds (framework/rank/state.py's StateRegistry)."""
+
+    gathers: bool  # building the whole tensors is a collective (sharded parameters)
+
+    def shared_state_dict(self) -> dict[str, Any]: ...
+    def shard_state_dicts(self) -> dict[str, Any]: ...
+    def small_state_dict(self) -> dict[str, Any]: ...
+    def rank_state_dict(self) -> dict[str, Any]: ...
+
+
 class Checkpointer:
-    """Saves (gathering every rank's state to rank 0, or each rank writing its shards) and finds
-    the checkpoint to resume."""
+    """Decides when a checkpoint is due and in which format, saves it (gathering every rank's
+    state to rank 0, or each rank writing its shards) and finds the checkpoint to resume."""
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: CheckpointSettings,
         directory: Path,
         env: DistEnv,
         settings: dict[str, str],
@@ -394,7 +415,7 @@ class Checkpointer:
         self.sharded = sharded  # checkpoint.format, resolved for the strategy
         self.logger_ids: dict[str, str] = {}  # a restart continues these logger runs
         self.last_path: Path | None = None
-        self.every = cfg.every  # asked every step: a DictConfig read costs microseconds
+        self.every = cfg.every  # asked every step
         self.in_background = sharded and cfg.async_save
         # A background save's collectives run beside training's: on a group of their own.
         self.group = (
@@ -406,7 +427,49 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
+    def wants(self, step: int, *, ending: bool = False, final: bool = False) -> bool:
+        """Whether `save` writes at `step`: every checkpoint.every steps, and at the end
+        (`final`) when checkpoint.final; the run's last step (`ending`) saves only once, at the
+        end, when that one comes anyway."""
+        if final:
+            return self.cfg.final
+        return self.due(step) and not (ending and self.cfg.final)
+
     def save(
+        self,
+        step: int,
+        states: CheckpointStates,
+        *,
+        ending: bool = False,
+        final: bool = False,
+        best: tuple[float, bool] | None = None,
+        before: Callable[[], object] | None = None,
+    ) -> Path | None:
+        """Collective (every rank, at the same step, with the same arguments): the checkpoint
+        of `step` when one is due (`wants`), or among the best (`best`: (score, maximize)), in
+        the run's format: one file from rank 0, or every rank's shards. `before` runs first on
+        every rank when one is saved. Returns where it goes, or None when none was due."""
+        if best is None and not self.wants(step, ending=ending, final=final):
+            return None
+        if before is not None:
+            before()
+        if self.sharded:
+            return self.write_sharded(
+                step,
+                states.shard_state_dicts(),
+                states.small_state_dict,
+                states.rank_state_dict(),
+                best=best,
+            )
+        built = states.shared_state_dict() if states.gathers else None  # (then a collective)
+        return self.write_file(
+            step,
+            (lambda: built) if built is not None else states.shared_state_dict,
+            states.rank_state_dict(),
+            best=best,
+        )
+
+    def write_file(
         self,
         step: int,
         shared: Callable[[], dict[str, Any]],
@@ -443,7 +506,7 @@ class Checkpointer:
             "ranks": states,
         }
 
-    def save_sharded(
+    def write_sharded(
         self,
         step: int,
         shards: dict[str, Any],

@@ -1,255 +1,40 @@
-"""Hydra launchers for `train` sweeps: Hydra's basic launcher and hydra-submitit-launcher's two,
-each adding the sweep summary (framework/app/sweep_summary.py) after every batch of jobs.
+"""Hydra launchers for `train` sweeps, and the user's config folders on Hydra's search path.
 
-The submitit ones also wait differently. hydra-submitit-launcher waits for every task of every
-job through `sacct`; a task that died without a result (killed, out of memory, a rank that left
-with os._exit) then leaves the sweep waiting forever where SLURM keeps no accounting, and
-raises out of the whole sweep where it does. Here the sweep waits for rank 0's result (the
-task that runs the job's Hydra task function to its end), or for the job to leave the queue
-without one, and records that job as failed.
-
-Hydra only loads launchers from the hydra_plugins namespace: this package sits at the
-repository root next to framework/, and is installed with it.
+Hydra finds plugins only in the hydra_plugins namespace, so this module sits there (installed
+with the framework) and only names them: the launchers are Hydra's basic one and
+hydra-submitit-launcher's two, each with the sweep summary (framework/app/sweep_summary.py),
+the submitit ones waiting for rank 0's result (framework/launch/slurm/sweep.py); the search
+path plugin is framework/app/config_search_path.py. The import contract keeps this module a
+shim: the framework never imports it.
 """
 
 # No `from __future__ import annotations`: Hydra executes this module before it is in
 # sys.modules, where dataclasses cannot resolve string annotations.
 
-import logging
-import os
-import subprocess
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.config_store import ConfigStore
-from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides
-from hydra.plugins.search_path_plugin import SearchPathPlugin
-from hydra_plugins.hydra_submitit_launcher.config import (
-    BaseQueueConf,
-    LocalQueueConf,
-    SlurmQueueConf,
-)
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
-    LocalLauncher,
-    SlurmLauncher,
-)
-from omegaconf import OmegaConf, open_dict
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
-from framework.core.exits import JobFailed
+from framework.app.config_search_path import UserConfigPath
+from framework.app.summarized_sweep import SummarizedSweep
+from framework.launch.slurm.sweep import SlurmQueue, SubmititSweep
 
-log = logging.getLogger(__name__)
-# Config folders of the user's own packages, set once (a shell profile, a .env):
-#   FRAMEWORK_CONFIG_PATH=pkg://my_research.conf,file:///home/me/more_conf
-CONFIG_PATH_VARIABLE = "FRAMEWORK_CONFIG_PATH"
-
-POLL_S = 1.0  # how often the submitting process looks for a job's result
-STATE_POLL_S = 5.0  # how often it asks the scheduler about the job
-RESULT_GRACE_S = 20.0  # a job that left the queue may still show its result this late
-# SLURM job states after which no result will come (a requeued job goes back to PENDING).
-ENDED_STATES = {
-    "BOOT_FAIL",
-    "CANCELLED",
-    "COMPLETED",
-    "DEADLINE",
-    "FAILED",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "TIMEOUT",
-    "SPECIAL_EXIT",
-}
+__all__ = ["UserConfigPath"]  # found here by Hydra's plugin scan
 
 
-def _summary(config: Any):
-    from framework.app.sweep_summary import (
-        SweepSummary,  # imported late: Hydra scans this module often
-    )
-
-    return SweepSummary(Path(str(config.hydra.sweep.dir)), config.objective)
+class SweepLauncher(SummarizedSweep, BasicLauncher):
+    """Hydra's basic launcher (the jobs one after another, from this process)."""
 
 
-class SweepLauncher(BasicLauncher):
-    """Hydra's basic launcher (the jobs one after another, from this process) + the summary."""
-
-    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
-        self.summary = _summary(config)
-
-    def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
-        returns = list(super().launch(job_overrides, initial_job_idx))
-        self.summary.add(initial_job_idx, returns)
-        return returns
+class SubmititSlurmLauncher(SummarizedSweep, SlurmQueue, SlurmLauncher):
+    """launcher=slurm: one SLURM job per sweep job."""
 
 
-class _SubmititSweep:
-    """launch() for the submitit launchers below (hydra-submitit-launcher's executor set-up)."""
-
-    _EXECUTOR: str
-    params: dict[str, Any]
-    config: Any
-    hydra_context: Any
-
-    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
-        self.summary = _summary(config)
-
-    def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        log.info("Submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
-        arguments = []
-        for num, overrides in enumerate(job_overrides, start=initial_job_idx):
-            log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
-            arguments.append(
-                (
-                    list(overrides),
-                    "hydra.sweep.dir",
-                    num,
-                    f"job_id_for_{num}",
-                    Singleton.get_state(),
-                )
-            )
-        submitted_at = time.time()
-        try:
-            jobs = self._executor().map_array(self, *zip(*arguments, strict=True))
-        except Exception as error:  # noqa: BLE001 (sbatch's refusal, as one message)
-            raise JobFailed(f"{self._EXECUTOR}: the jobs were not submitted: {error}") from None
-        for job, (overrides, *_rest) in zip(jobs, arguments, strict=True):
-            log.info("job %s: %s", job.job_id, " ".join(filter_overrides(overrides)))
-        returns = []
-        for num, job in enumerate(jobs, start=initial_job_idx):
-            returns.append(
-                self._result(job, num, arguments[num - initial_job_idx][0], submitted_at)
-            )
-            self.summary.add(num, returns[-1:])  # row by row: the table grows as jobs end
-        return returns
-
-    def _result(self, job: Any, num: int, overrides: list[str], submitted_at: float) -> JobReturn:
-        """Rank 0's JobReturn. A completed one counts at once; a failed one once the job has
-        left the queue (a requeued job runs again and writes a new one); none, RESULT_GRACE_S
-        after the job left the queue (a shared filesystem may show a new file late)."""
-        rank0 = job.task(0)
-        ended_at: float | None = None
-        state, state_at = "UNKNOWN", 0.0
-        while True:
-            outcome = _fresh_result(rank0.paths.result_pickle, submitted_at)
-            if outcome is not None and _completed(outcome):
-                return outcome[1]
-            if time.monotonic() - state_at >= STATE_POLL_S:
-                state, state_at = self._state(job), time.monotonic()
-                ended_at = (ended_at or time.monotonic()) if self._is_ended(job, state) else None
-            if outcome is not None and ended_at is not None:
-                return self._as_return(num, overrides, outcome, job, rank0)
-            if ended_at is not None and time.monotonic() - ended_at > RESULT_GRACE_S:
-                return self._failed(
-                    num,
-                    overrides,
-                    JobFailed(
-                        f"{self._EXECUTOR} job {job.job_id} ended without a result ({state}); "
-                        f"its log: {rank0.paths.stderr}"
-                    ),
-                )
-            time.sleep(POLL_S)
-
-    def _as_return(
-        self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
-    ) -> JobReturn:
-        kind, value = outcome
-        if kind == "success":
-            return value  # Hydra's JobReturn, status FAILED
-        lines = str(value).strip().splitlines() or [repr(value)]  # the task raised outside Hydra
-        return self._failed(
-            num,
-            overrides,
-            JobFailed(
-                f"{self._EXECUTOR} job {job.job_id}: {lines[-1]} (log: {rank0.paths.stderr})"
-            ),
-        )
-
-    def _executor(self) -> Any:
-        import submitit
-
-        # As hydra-submitit-launcher: max_num_timeout goes to the executor, keys shared by all
-        # executors as they are, the others prefixed with the executor's name.
-        params = dict(self.params)
-        folder = params.pop("submitit_folder")
-        init = (
-            {f"{self._EXECUTOR}_max_num_timeout": params.pop("max_num_timeout")}
-            if "max_num_timeout" in params
-            else {}
-        )
-        executor = submitit.AutoExecutor(folder=folder, cluster=self._EXECUTOR, **init)
-        shared = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(
-            **{
-                key if key in shared else f"{self._EXECUTOR}_{key}": value
-                for key, value in params.items()
-            }
-        )
-        return executor
-
-    def _failed(self, num: int, overrides: list[str], error: Exception) -> JobReturn:
-        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        with open_dict(config):
-            config.hydra.job.num = num
-        job_dir = Path(config.hydra.sweep.dir, str(config.hydra.sweep.subdir))
-        ret = JobReturn(overrides=overrides, status=JobStatus.FAILED, working_dir=str(job_dir))
-        ret.return_value = error
-        return ret
-
-    def _is_ended(self, job: Any, state: str) -> bool:
-        return job.done(force_check=True)  # the local executor watches its own processes
-
-    def _state(self, job: Any) -> str:
-        return str(job.state)
-
-
-class SubmititSlurmLauncher(_SubmititSweep, SlurmLauncher):
-    def _is_ended(self, job: Any, state: str) -> bool:
-        return state in ENDED_STATES or state == "GONE"
-
-    def _state(self, job: Any) -> str:
-        """squeue's view (no accounting needed); GONE once SLURM forgot the job."""
-        try:
-            listing = subprocess.run(
-                ["squeue", "--noheader", "--states=all", "--format=%T", f"--jobs={job.job_id}"],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        except (subprocess.TimeoutExpired, OSError):
-            return "UNKNOWN"  # slurmctld busy or unreachable: ask again later
-        states = listing.stdout.split()
-        if listing.returncode != 0 and "Invalid job id" not in listing.stderr:
-            return "UNKNOWN"
-        return states[0] if states else "GONE"
-
-
-def _fresh_result(path: Path, submitted_at: float) -> tuple[str, Any] | None:
-    """submitit's (outcome, value) for rank 0, if written by this submission (a sweep run
-    again in the same dir may find an old one; job ids repeat)."""
-    from submitit.core.utils import pickle_load
-
-    try:
-        path.parent.chmod(path.parent.stat().st_mode)  # refresh a shared filesystem's view
-        if path.stat().st_mtime < submitted_at - 1:
-            return None
-        return pickle_load(path)
-    except (OSError, EOFError):  # not there yet, or being replaced
-        return None
-
-
-def _completed(outcome: tuple[str, Any]) -> bool:
-    kind, value = outcome
-    return kind == "success" and getattr(value, "status", None) == JobStatus.COMPLETED
-
-
-class SubmititLocalLauncher(_SubmititSweep, LocalLauncher):
-    pass
+class SubmititLocalLauncher(SummarizedSweep, SubmititSweep, LocalLauncher):
+    """launcher=slurm_local: submitit's local executor, the same job on this machine."""
 
 
 @dataclass
@@ -268,46 +53,9 @@ class SubmititLocalConf(LocalQueueConf):
 
 
 _store = ConfigStore.instance()
-_store.store(
-    group="hydra/launcher", name="framework_basic", node=SweepLauncherConf, provider="framework"
-)
-_store.store(
-    group="hydra/launcher", name="framework_slurm", node=SubmititSlurmConf, provider="framework"
-)
-_store.store(
-    group="hydra/launcher", name="framework_local", node=SubmititLocalConf, provider="framework"
-)
-
-
-class UserConfigPath(SearchPathPlugin):
-    """Adds the user's config folders after the shipped conf/: the working directory's conf/ (a
-    user project keeps its own conf/ beside its package and runs `train` from there), then the
-    folders in $FRAMEWORK_CONFIG_PATH (comma-separated pkg:// or file:// paths). Their group
-    options (task/my_task.yaml, experiment/...) join the shipped ones without an edit of conf/;
-    framework/app/validate_callback.py refuses an entry that does not exist, and an option
-    that a shipped one of the same name hides."""
-
-    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        project = project_config_dir(search_path)
-        if project is not None:
-            search_path.append(provider=PROJECT_PROVIDER, path=project)
-        for entry in os.environ.get(CONFIG_PATH_VARIABLE, "").split(","):
-            if entry.strip():
-                search_path.append(provider="framework-user", path=entry.strip())
-
-
-PROJECT_PROVIDER = "framework-project"  # the working directory's conf/
-
-
-def project_config_dir(search_path: ConfigSearchPath) -> str | None:
-    """file://<working dir>/conf when it is a folder and not on the search path already (in
-    the clone, the working dir's conf/ is the shipped one)."""
-    folder = Path.cwd() / "conf"
-    if not folder.is_dir():
-        return None
-    on_path = {  # (the primary config dir comes as a bare path)
-        Path(entry.path.removeprefix("file://")).resolve()
-        for entry in search_path.get_path()
-        if entry.path.startswith("file://") or "://" not in entry.path
-    }
-    return None if folder.resolve() in on_path else f"file://{folder.resolve()}"
+for name, node in {
+    "framework_basic": SweepLauncherConf,
+    "framework_slurm": SubmititSlurmConf,
+    "framework_local": SubmititLocalConf,
+}.items():
+    _store.store(group="hydra/launcher", name=name, node=node, provider="framework")

@@ -63,8 +63,8 @@ def _count_in_rank(rank: int, world_size: int, port: int, jobs: list, found: dic
     import torch
 
     from framework.core.launch_context import DistEnv
-    from framework.rank.assemble import run
     from framework.rank.loop import Runner
+    from framework.rank.main import rank_main
 
     torch.set_num_threads(1)
     env = DistEnv(
@@ -79,7 +79,7 @@ def _count_in_rank(rank: int, world_size: int, port: int, jobs: list, found: dic
     for index, (name, cfg, run_dir) in enumerate(jobs):
         reads: list[str] = []
         watch_steps(Runner, first=3, last=11, results=reads)  # steps 3-10, and between them
-        run(cfg, run_dir, env, dist.PrefixStore(f"job{index}", store))
+        rank_main(cfg, run_dir, env, dist.PrefixStore(f"job{index}", store))
         Runner.train_step = original
         found[f"{name}/{rank}"] = reads
 

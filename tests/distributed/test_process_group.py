@@ -43,7 +43,7 @@ def test_a_rank_stuck_in_a_collective_fails_after_dist_timeout_s_and_the_group_i
 
 
 def _look_carrying_window_sums(rank: int, world_size: int) -> None:
-    from framework.rank.stopping import NonFiniteWatch
+    from framework.rank.nonfinite import NonFiniteWatch
 
     env = DistEnv(rank=rank, world_size=world_size, local_world_size=world_size, source="local")
     watch = NonFiniteWatch(env, torch.device("cpu"))

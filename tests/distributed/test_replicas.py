@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from framework.core.exits import ReplicasDiverged
 from framework.core.launch_context import DistEnv
-from framework.rank.assemble import run
+from framework.rank.main import rank_main
 from tests.conftest import TINY, make_cfg, prepare_run, start_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -24,10 +24,10 @@ def _rank_with_its_own_lr(rank: int, port: int, run_dir, lrs: tuple[float, float
     env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, source="local")
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     if lrs[0] == lrs[1]:
-        run(cfg, run_dir, env, store)
+        rank_main(cfg, run_dir, env, store)
         return
     try:
-        run(cfg, run_dir, env, store)
+        rank_main(cfg, run_dir, env, store)
     except ReplicasDiverged as error:
         caught = "weights of rank(s) [1] differ" in str(error)
         # Leave as a failed worker does (workers.exit_now): freeing the DDP model right after

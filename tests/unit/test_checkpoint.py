@@ -185,10 +185,10 @@ from framework.core.launch_context import DistEnv
 from framework.storage.checkpoint import Checkpointer
 cfg = OmegaConf.create({"every": 1, "keep": 3, "best": 0})
 saver = Checkpointer(cfg, __import__("pathlib").Path(sys.argv[1]), DistEnv(), {})
-saver.save(1, lambda: {"model": {"w": torch.zeros(10)}}, {})
+saver.write_file(1, lambda: {"model": {"w": torch.zeros(10)}}, {})
 resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a file-size limit, a full disk
 try:
-    saver.save(2, lambda: {"model": {"w": torch.zeros(1_000_000)}}, {})
+    saver.write_file(2, lambda: {"model": {"w": torch.zeros(1_000_000)}}, {})
 except SaveFailed as error:
     print(error)
 """
@@ -248,11 +248,11 @@ from framework.core.launch_context import DistEnv
 from framework.storage.checkpoint import Checkpointer
 cfg = OmegaConf.create({"every": 1, "keep": 3, "best": 0, "async_save": sys.argv[2] == "1"})
 saver = Checkpointer(cfg, __import__("pathlib").Path(sys.argv[1]), DistEnv(), {}, sharded=True)
-saver.save_sharded(1, {"model": {"w": torch.zeros(10)}}, dict, {})
+saver.write_sharded(1, {"model": {"w": torch.zeros(10)}}, dict, {})
 saver.finish_pending()
 resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a file-size limit, a full disk
 try:
-    saver.save_sharded(2, {"model": {"w": torch.zeros(1_000_000)}}, dict, {})
+    saver.write_sharded(2, {"model": {"w": torch.zeros(1_000_000)}}, dict, {})
     saver.finish_pending()  # where a background save's failure is raised
 except SaveFailed as error:
     print(error)

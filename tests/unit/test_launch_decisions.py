@@ -39,7 +39,7 @@ def slurm_task(monkeypatch: pytest.MonkeyPatch, rank: int) -> dict[str, str]:
         (["launcher.nproc_per_node=1"], Start.IN_PROCESS),
         (["launcher=torchrun"], Start.TORCHRUN_AGENT),
         (["launcher=torchrun", "launcher.nproc_per_node=1"], Start.TORCHRUN_AGENT),
-        # Outside a job: run_task refuses it with the fix (submit through Hydra's multirun).
+        # Outside a job: task_rank refuses it with the fix (submit through Hydra's multirun).
         (["launcher=slurm"], Start.SLURM_TASK),
         (["launcher=slurm_local"], Start.SLURM_TASK),
     ],

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from framework.config.schemas import EarlyStoppingConfig
 from framework.core.launch_context import DistEnv
 from framework.rank.model_selection import BestCheckpoints, EarlyStopping, ModelSelection
 from framework.rank.state import Model
@@ -87,7 +88,7 @@ def test_early_stopping_without_patience_never_stops():
 
 def selection(keep: int = 2, patience: int | None = 2) -> ModelSelection:
     return ModelSelection.build(
-        ("val/loss", "min"), keep_best=keep, early_stopping={"patience": patience, "min_delta": 0.0}
+        ("val/loss", "min"), keep_best=keep, early_stopping=EarlyStoppingConfig(patience=patience)
     )
 
 
@@ -156,7 +157,7 @@ def test_the_test_split_sees_the_best_checkpoints_weights(tmp_path):
         with torch.no_grad():
             model.module.weight.fill_(score)  # weights that say which evaluation they were
         state = {"model": model.module.state_dict(), "ema": None}
-        saver.save(step, lambda: state, {}, best=(score, chosen.maximize))
+        saver.write_file(step, lambda: state, {}, best=(score, chosen.maximize))
 
     for step, loss in ((1, 3.0), (2, 2.0), (3, 2.5), (4, 4.0), (5, 1.0)):
         chosen.after_evaluation(step, {"val/loss": loss}, periodic=True, save_best=save_best)

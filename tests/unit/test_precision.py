@@ -53,19 +53,29 @@ def test_fp32_and_bf16_step_with_the_gradient_clipped_to_its_norm(kind):
     parameter, optimizer = sgd(0.0, 0.0)
     precision.backward(loss_with_gradient(parameter, 3.0, 4.0))  # gradient norm 5
     assert precision.loss_scale() is None and parameter.grad.tolist() == [3.0, 4.0]
-    precision.step(optimizer, [parameter], clip_grad_norm=1.0)
+    clipped_step(precision, optimizer, parameter, clip_grad_norm=1.0)
     assert parameter.tolist() == pytest.approx([-0.6, -0.8], rel=1e-5)
     optimizer.zero_grad()
     precision.backward(loss_with_gradient(parameter, 3.0, 4.0))
-    precision.step(optimizer, [parameter], clip_grad_norm=None)
+    clipped_step(precision, optimizer, parameter, clip_grad_norm=None)
     assert parameter.tolist() == pytest.approx([-3.6, -4.8], rel=1e-6)
+
+
+def clipped_step(
+    precision: Precision, optimizer: torch.optim.Optimizer, parameter, clip_grad_norm
+) -> None:
+    """The update as the loop makes it (framework/rank/loop.py: Runner.update)."""
+    precision.unscale(optimizer)
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([parameter], clip_grad_norm)
+    precision.step(optimizer)
 
 
 @pytest.mark.parametrize(("found_inf", "expected"), [(0.0, [-1.0, -1.0]), (1.0, [0.0, 0.0])])
 def test_a_device_flag_drops_the_update_of_a_fused_optimizer(found_inf, expected):
     parameter, optimizer = sgd(0.0, 0.0, fused=True)
     parameter.grad = torch.ones(2)
-    Precision(CPU).step(optimizer, [parameter], None, found_inf=torch.tensor(found_inf))
+    Precision(CPU).step(optimizer, found_inf=torch.tensor(found_inf))
     assert parameter.tolist() == expected
     # The flag is lent to this one step only.
     assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
@@ -97,7 +107,7 @@ def test_amp_unscales_the_gradients_before_clipping_them():
     amp = AMP(CPU, init_scale=1024.0)
     parameter, optimizer = sgd(0.0, 0.0)
     amp.backward(loss_with_gradient(parameter, 3.0, 4.0))
-    amp.step(optimizer, [parameter], clip_grad_norm=1.0)
+    clipped_step(amp, optimizer, parameter, clip_grad_norm=1.0)
     # Clipping the scaled gradient (norm 5120) to 1, then unscaling, would move it 1024x less.
     assert parameter.tolist() == pytest.approx([-0.6, -0.8], rel=1e-5)
 
@@ -107,12 +117,12 @@ def test_amp_skips_a_step_with_a_non_finite_gradient_and_counts_it(bad):
     amp = AMP(CPU, init_scale=1024.0, backoff_factor=0.25, growth_interval=1000)
     parameter, optimizer = sgd(1.0, 1.0, lr=0.5)
     amp.backward(loss_with_gradient(parameter, bad, 1.0))
-    amp.step(optimizer, [parameter], clip_grad_norm=1.0)
+    clipped_step(amp, optimizer, parameter, clip_grad_norm=1.0)
     assert parameter.tolist() == [1.0, 1.0]  # not updated
     assert amp.metrics() == {"precision/loss_scale": 256.0, "precision/skipped_steps": 1}
     optimizer.zero_grad()
     amp.backward(loss_with_gradient(parameter, 2.0, 1.0))
-    amp.step(optimizer, [parameter], clip_grad_norm=None)
+    clipped_step(amp, optimizer, parameter, clip_grad_norm=None)
     assert parameter.tolist() == [0.0, 0.5]  # the true gradient, unscaled
     assert amp.metrics() == {"precision/loss_scale": 256.0, "precision/skipped_steps": 1}
 
@@ -124,7 +134,7 @@ def test_amp_growing_the_scale_is_not_a_skipped_step():
     for _ in range(4):
         optimizer.zero_grad()
         amp.backward(loss_with_gradient(parameter, 1.0, 1.0))
-        amp.step(optimizer, [parameter], clip_grad_norm=None)
+        clipped_step(amp, optimizer, parameter, clip_grad_norm=None)
         scales.append(amp.metrics()["precision/loss_scale"])
     assert scales == [1024.0, 2048.0, 2048.0, 4096.0]
     assert amp.metrics()["precision/skipped_steps"] == 0
@@ -135,7 +145,7 @@ def test_amp_state_survives_a_checkpoint_and_the_count_goes_on():
     amp = AMP(CPU, init_scale=1024.0)
     parameter, optimizer = sgd(1.0, 1.0)
     amp.backward(loss_with_gradient(parameter, INF, 1.0))
-    amp.step(optimizer, [parameter], clip_grad_norm=None)
+    clipped_step(amp, optimizer, parameter, clip_grad_norm=None)
     buffer = io.BytesIO()
     torch.save(amp.state_dict(), buffer)
     buffer.seek(0)
@@ -148,6 +158,6 @@ def test_amp_state_survives_a_checkpoint_and_the_count_goes_on():
     optimizer.zero_grad()
     restored.backward(loss_with_gradient(parameter, NAN, 1.0))
     assert parameter.grad.tolist()[1] == 512.0  # the restored scale, not 65536
-    restored.step(optimizer, [parameter], clip_grad_norm=None)
+    clipped_step(restored, optimizer, parameter, clip_grad_norm=None)
     assert restored.state_dict()["skipped_steps"] == 2
     assert restored.metrics() == {"precision/loss_scale": 256.0, "precision/skipped_steps": 2}

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from framework.components.strategy import WholeModule, WholeOptimizer
+from framework.config.schemas import EarlyStoppingConfig
 from framework.rank.model_selection import ModelSelection
 from framework.rank.state import (
     FlatStates,
@@ -41,7 +42,7 @@ def parts(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, TrainState, Mode
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     selection = ModelSelection.build(
-        ("val/accuracy", "max"), keep_best=2, early_stopping={"patience": 3, "min_delta": 0.0}
+        ("val/accuracy", "max"), keep_best=2, early_stopping=EarlyStoppingConfig(patience=3)
     )
     return model, optimizer, TrainState(), selection
 

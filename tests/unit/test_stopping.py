@@ -10,7 +10,8 @@ import torch
 
 from framework.core.launch_context import DistEnv
 from framework.rank import stopping
-from framework.rank.stopping import NonFiniteWatch, SignalExchange, StopRequests
+from framework.rank.nonfinite import NonFiniteWatch
+from framework.rank.stopping import SignalExchange, StopRequests
 
 T, F = torch.tensor(True), torch.tensor(False)
 

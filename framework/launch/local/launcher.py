@@ -112,7 +112,7 @@ def _local_worker(
     forkserver.adopt(environ, cwd, stdio)
     startup_clock.mark("start ranks")
     # Imported in the rank (the fork server has it loaded): the launcher never needs it.
-    from framework.launch.rank_entry import run_worker
+    from framework.launch.rank_entry import enter_rank
 
     env = DistEnv(
         rank=local_rank,
@@ -123,4 +123,4 @@ def _local_worker(
     )
     timeout = timedelta(seconds=cfg.dist.timeout_s)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    run_worker(cfg, run_dir, env, store)
+    enter_rank(cfg, run_dir, env, store)

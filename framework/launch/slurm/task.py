@@ -24,8 +24,7 @@ from framework.core.exits import (
     Stopped,
 )
 from framework.core.launch_context import DistEnv
-from framework.launch.rank_entry import exit_now, report, run_worker
-from framework.rank.assemble import run
+from framework.launch.rank_entry import enter_rank, exit_now, report
 from framework.rank.stopping import received_signals
 
 
@@ -52,17 +51,17 @@ def task_env(launcher: DictConfig) -> DistEnv:
     return env
 
 
-def run_task(cfg: DictConfig, run_dir: Path) -> dict | None:
-    """This task as one rank. Ranks > 0 leave as run_worker's ranks do. Rank 0's result is the
-    job's: a failure comes back to the sweep as JobFailed with its message, and a stop on
+def task_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """This task as one rank. Ranks > 0 leave as the ranks of every launcher do. Rank 0's result
+    is the job's: a failure comes back to the sweep as JobFailed with its message, and a stop on
     submitit's signal goes to submitit to requeue."""
     env = task_env(cfg.launcher)
     if not env.is_main:
         # Exit 0 after a stop: a non-zero exit could make srun kill rank 0 (KillOnBadExit)
         # before it has saved and requeued. Rank 0 speaks for the job.
-        return run_worker(cfg, run_dir, env, stop_exit_code=0)
+        return enter_rank(cfg, run_dir, env, stop_exit_code=0)
     try:
-        return run(cfg, run_dir, env)
+        return enter_rank(cfg, run_dir, env, own_process=False)
     except Stopped as stop:
         failure = _requeue_or_exit(stop)
     except (Rejected, NonFiniteLoss) as error:  # rank 0 already logged a NonFiniteLoss
@@ -100,14 +99,14 @@ def _requeue_or_exit(stop: Stopped) -> str:
     exit_now(stop.exit_code)
 
 
-def run_follower(cfg: DictConfig, run_dir: Path) -> None:
+def follower_rank(cfg: DictConfig, run_dir: Path) -> None:
     """Rank > 0 of a submitit job: it runs rank 0's config (broadcast at the start) and writes
     nothing, so it neither judges the sweep dir nor discards files; a config it rejects ends
     it quietly (rank 0 rejects the same config and reports it)."""
     try:
         validate(cfg)
         OmegaConf.resolve(cfg)
-        run_task(cfg, run_dir)
+        task_rank(cfg, run_dir)
     except Rejected:
         raise SystemExit(ExitCode.CONFIG_REJECTED) from None
 

@@ -108,9 +108,9 @@ def _elastic_worker(
         startup_clock.count_from_now()
     startup_clock.mark("start ranks")
     # Imported in the rank (the fork server has it loaded): the launcher never needs it.
-    from framework.launch.rank_entry import run_worker
+    from framework.launch.rank_entry import enter_rank
 
     # The agent set RANK/WORLD_SIZE/MASTER_*; the config came from our caller, not from Hydra,
     # so this rank must not wait for another rank's config the way an external torchrun does.
     env = dataclasses.replace(here.dist_env(), source="elastic")
-    run_worker(cfg, run_dir, env)
+    enter_rank(cfg, run_dir, env)

@@ -10,18 +10,18 @@ from omegaconf import DictConfig
 
 from framework.core import launch_context
 from framework.core.exits import ExitCode
-from framework.launch.rank_entry import run_worker
+from framework.launch.rank_entry import enter_rank
 from framework.storage.run_dir import RunDir, is_throwaway
 
 
-def run_torchrun_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
+def external_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
     """This rank, with exit codes as for our own launchers."""
     if is_throwaway(run_dir):
         # Rank > 0: Hydra needed a dir; this rank adopts rank 0's. Gone now, so a rank that is
         # killed later leaves nothing behind.
         shutil.rmtree(run_dir, ignore_errors=True)
     try:
-        return run_worker(cfg, run_dir, launch_context.current().dist_env())
+        return enter_rank(cfg, run_dir, launch_context.current().dist_env())
     except SystemExit as exit_:
         if exit_.code == ExitCode.CONFIG_REJECTED:
             RunDir(run_dir).discard()

@@ -1,0 +1,208 @@
+"""launcher=slurm|slurm_local, the submitting side: hydra-submitit-launcher's launchers submit
+the jobs; this waits differently for them.
+
+hydra-submitit-launcher waits for every task of every job through `sacct`; a task that died
+without a result (killed, out of memory, a rank that left with os._exit) then leaves the sweep
+waiting forever where SLURM keeps no accounting, and raises out of the whole sweep where it
+does. Here the sweep waits for rank 0's result (the task that runs the job's Hydra task function
+to its end), or for the job to leave the queue without one, and records that job as failed.
+hydra_plugins/framework_launchers makes Hydra launchers of these.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from omegaconf import OmegaConf, open_dict
+
+from framework.core.exits import JobFailed
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # how often the submitting process looks for a job's result
+STATE_POLL_S = 5.0  # how often it asks the scheduler about the job
+RESULT_GRACE_S = 20.0  # a job that left the queue may still show its result this late
+# SLURM job states after which no result will come (a requeued job goes back to PENDING).
+ENDED_STATES = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "TIMEOUT",
+    "SPECIAL_EXIT",
+}
+
+
+class SubmititSweep:
+    """launch() for hydra-submitit-launcher's launchers (its executor set-up), waiting for rank
+    0's result; `job_ended` is called as each job's result comes."""
+
+    _EXECUTOR: str
+    params: dict[str, Any]
+    config: Any
+    hydra_context: Any
+
+    def job_ended(self, num: int, ret: JobReturn) -> None:
+        """Called with each job's result as it comes (the sweep summary grows row by row)."""
+
+    def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        log.info("Submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
+        arguments = []
+        for num, overrides in enumerate(job_overrides, start=initial_job_idx):
+            log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
+            arguments.append(
+                (
+                    list(overrides),
+                    "hydra.sweep.dir",
+                    num,
+                    f"job_id_for_{num}",
+                    Singleton.get_state(),
+                )
+            )
+        submitted_at = time.time()
+        try:
+            jobs = self._executor().map_array(self, *zip(*arguments, strict=True))
+        except Exception as error:  # noqa: BLE001 (sbatch's refusal, as one message)
+            raise JobFailed(f"{self._EXECUTOR}: the jobs were not submitted: {error}") from None
+        for job, (overrides, *_rest) in zip(jobs, arguments, strict=True):
+            log.info("job %s: %s", job.job_id, " ".join(filter_overrides(overrides)))
+        returns = []
+        for num, job in enumerate(jobs, start=initial_job_idx):
+            returns.append(
+                self._result(job, num, arguments[num - initial_job_idx][0], submitted_at)
+            )
+            self.job_ended(num, returns[-1])
+        return returns
+
+    def _result(self, job: Any, num: int, overrides: list[str], submitted_at: float) -> JobReturn:
+        """Rank 0's JobReturn. A completed one counts at once; a failed one once the job has
+        left the queue (a requeued job runs again and writes a new one); none, RESULT_GRACE_S
+        after the job left the queue (a shared filesystem may show a new file late)."""
+        rank0 = job.task(0)
+        ended_at: float | None = None
+        state, state_at = "UNKNOWN", 0.0
+        while True:
+            outcome = _fresh_result(rank0.paths.result_pickle, submitted_at)
+            if outcome is not None and _completed(outcome):
+                return outcome[1]
+            if time.monotonic() - state_at >= STATE_POLL_S:
+                state, state_at = self._state(job), time.monotonic()
+                ended_at = (ended_at or time.monotonic()) if self._is_ended(job, state) else None
+            if outcome is not None and ended_at is not None:
+                return self._as_return(num, overrides, outcome, job, rank0)
+            if ended_at is not None and time.monotonic() - ended_at > RESULT_GRACE_S:
+                return self._failed(
+                    num,
+                    overrides,
+                    JobFailed(
+                        f"{self._EXECUTOR} job {job.job_id} ended without a result ({state}); "
+                        f"its log: {rank0.paths.stderr}"
+                    ),
+                )
+            time.sleep(POLL_S)
+
+    def _as_return(
+        self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
+    ) -> JobReturn:
+        kind, value = outcome
+        if kind == "success":
+            return value  # Hydra's JobReturn, status FAILED
+        lines = str(value).strip().splitlines() or [repr(value)]  # the task raised outside Hydra
+        return self._failed(
+            num,
+            overrides,
+            JobFailed(
+                f"{self._EXECUTOR} job {job.job_id}: {lines[-1]} (log: {rank0.paths.stderr})"
+            ),
+        )
+
+    def _executor(self) -> Any:
+        import submitit
+
+        # As hydra-submitit-launcher: max_num_timeout goes to the executor, keys shared by all
+        # executors as they are, the others prefixed with the executor's name.
+        params = dict(self.params)
+        folder = params.pop("submitit_folder")
+        init = (
+            {f"{self._EXECUTOR}_max_num_timeout": params.pop("max_num_timeout")}
+            if "max_num_timeout" in params
+            else {}
+        )
+        executor = submitit.AutoExecutor(folder=folder, cluster=self._EXECUTOR, **init)
+        shared = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(
+            **{
+                key if key in shared else f"{self._EXECUTOR}_{key}": value
+                for key, value in params.items()
+            }
+        )
+        return executor
+
+    def _failed(self, num: int, overrides: list[str], error: Exception) -> JobReturn:
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(config):
+            config.hydra.job.num = num
+        job_dir = Path(config.hydra.sweep.dir, str(config.hydra.sweep.subdir))
+        ret = JobReturn(overrides=overrides, status=JobStatus.FAILED, working_dir=str(job_dir))
+        ret.return_value = error
+        return ret
+
+    def _is_ended(self, job: Any, state: str) -> bool:
+        return job.done(force_check=True)  # the local executor watches its own processes
+
+    def _state(self, job: Any) -> str:
+        return str(job.state)
+
+
+class SlurmQueue(SubmititSweep):
+    """A SLURM cluster's queue, asked through squeue (no accounting needed)."""
+
+    def _is_ended(self, job: Any, state: str) -> bool:
+        return state in ENDED_STATES or state == "GONE"
+
+    def _state(self, job: Any) -> str:
+        """squeue's view (no accounting needed); GONE once SLURM forgot the job."""
+        try:
+            listing = subprocess.run(
+                ["squeue", "--noheader", "--states=all", "--format=%T", f"--jobs={job.job_id}"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        except (subprocess.TimeoutExpired, OSError):
+            return "UNKNOWN"  # slurmctld busy or unreachable: ask again later
+        states = listing.stdout.split()
+        if listing.returncode != 0 and "Invalid job id" not in listing.stderr:
+            return "UNKNOWN"
+        return states[0] if states else "GONE"
+
+
+def _fresh_result(path: Path, submitted_at: float) -> tuple[str, Any] | None:
+    """submitit's (outcome, value) for rank 0, if written by this submission (a sweep run
+    again in the same dir may find an old one; job ids repeat)."""
+    from submitit.core.utils import pickle_load
+
+    try:
+        path.parent.chmod(path.parent.stat().st_mode)  # refresh a shared filesystem's view
+        if path.stat().st_mtime < submitted_at - 1:
+            return None
+        return pickle_load(path)
+    except (OSError, EOFError):  # not there yet, or being replaced
+        return None
+
+
+def _completed(outcome: tuple[str, Any]) -> bool:
+    kind, value = outcome
+    return kind == "success" and getattr(value, "status", None) == JobStatus.COMPLETED

@@ -1,0 +1,281 @@
+"""Every object of a rank, built from its config group (the one place objects are built).
+
+`build_parts` builds what training and evaluation share (task, data, precision, model) and checks
+the task on a real batch; `build_optimization` and `build_runner` what training adds. The
+components get their own section of the config (a node to instantiate, or a typed section),
+never the whole config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+# Imported with this module, before any process group exists. DDP's constructor imports it
+# anyway; imported there, after gloo's threads had started, it made successful ranks abort at
+# exit ("terminate called without an active exception") in 3 of ~100 runs (torch 2.13).
+import torch._dynamo  # noqa: F401
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from framework.components.data import Loaders, Splits, build_loaders, load_splits, to_device
+from framework.components.ema import EMA
+from framework.components.optim import build_optimizer, scaled_lr
+from framework.components.precision import Precision
+from framework.components.tasks import Task, first_batch
+from framework.components.utilization import (
+    UtilizationMeter,
+    device_peak_tflops,
+    micro_batch_flops,
+)
+from framework.config.schemas import DDPConfig, TrainerConfig
+from framework.config.validation import resolve_monitor
+from framework.core import startup_clock
+from framework.core.distributed import host_group
+from framework.core.exits import ConfigError
+from framework.core.launch_context import DistEnv
+from framework.rank.loop import Outputs, Runner, planned_steps
+from framework.rank.model_selection import ModelSelection
+from framework.rank.state import Model, Optimization
+from framework.rank.stopping import SignalExchange, StopRequests
+from framework.storage.checkpoint import restore_rng, rng_state
+
+log = logging.getLogger("framework")
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What training and evaluation share, built once per rank."""
+
+    trainer: TrainerConfig
+    device: torch.device
+    task: Task
+    splits: Splits
+    loaders: Loaders
+    precision: Precision
+    model: Model
+    train_batch: Any  # the first training batch: the pre-flight check and the FLOPs count
+    global_batch_size: int
+    total_steps: int
+
+
+def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
+    """Task, data, precision and model, the same initial weights on every rank, and the task
+    checked on a real training batch."""
+    trainer: TrainerConfig = OmegaConf.to_object(cfg.trainer)  # type: ignore[assignment]
+    global_batch_size = cfg.data.batch_size * env.world_size * trainer.grad_accum
+    seed_everything(trainer.seed)  # same seed on every rank: identical initial weights
+    log.info("Instantiating task <%s>", cfg.task._target_)
+    task = instantiate(cfg.task)
+    splits, loaders = build_data(cfg.data, trainer, env, device, global_batch_size)
+    startup_clock.mark("data")
+    total_steps = planned_steps(trainer, len(loaders.train) // trainer.grad_accum)
+    log.info("Instantiating precision <%s>", cfg.precision._target_)
+    precision = instantiate(cfg.precision)(device=device)
+    ddp: DDPConfig = OmegaConf.to_object(cfg.dist.ddp)  # type: ignore[assignment]
+    model = build_model(cfg.model, cfg.strategy, trainer, ddp, env, device, precision.param_dtype)
+    # Read once: the pre-flight check and the FLOPs count run on the same first batch.
+    train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
+    check_task(task, model.module, train_batch, device)
+    startup_clock.mark("model")
+    return Parts(
+        trainer=trainer,
+        device=device,
+        task=task,
+        splits=splits,
+        loaders=loaders,
+        precision=precision,
+        model=model,
+        train_batch=train_batch,
+        global_batch_size=global_batch_size,
+        total_steps=total_steps,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_data(
+    data: DictConfig,
+    trainer: TrainerConfig,
+    env: DistEnv,
+    device: torch.device,
+    global_batch_size: int,
+) -> tuple[Splits, Loaders]:
+    log.info("Instantiating data <%s>", data._target_)
+    splits = load_splits(data)  # the loaders' collate_fn is built below
+    collate_node = data.get("collate_fn")
+    collate_fn = instantiate(collate_node) if collate_node is not None else None
+    if len(splits.val) == 0:  # evaluation would fail at its first batch, after training
+        raise ConfigError(
+            f"data: the validation split of {data._target_} is empty: give it samples "
+            "(data.val_size, data.val_fraction or your loader's own split)"
+        )
+    loaders = build_loaders(splits, data, env, trainer.seed, device, collate_fn)
+    if len(loaders.train) < trainer.grad_accum:
+        raise ConfigError(
+            f"the training set ({len(splits.train)} samples) is smaller than one global batch "
+            f"({global_batch_size}): lower data.batch_size, trainer.grad_accum or "
+            "launcher.nproc_per_node"
+        )
+    return splits, loaders
+
+
+def build_model(
+    model_cfg: DictConfig,
+    strategy_cfg: DictConfig,
+    trainer: TrainerConfig,
+    ddp: DDPConfig,
+    env: DistEnv,
+    device: torch.device,
+    param_dtype: torch.dtype | None = None,
+) -> Model:
+    """The model on the device, what forward runs on (DDP-wrapped or sharded by
+    strategy=<option>), and its EMA. `param_dtype`: what FSDP gathers parameters in."""
+    log.info("Instantiating model <%s>", model_cfg._target_)
+    module = instantiate(model_cfg)
+    if trainer.sync_batchnorm and env.distributed:
+        if device.type != "cuda":
+            raise ConfigError(
+                "trainer.sync_batchnorm=true needs CUDA devices (torch's SyncBatchNorm is "
+                "GPU-only): set trainer.sync_batchnorm=false on CPU"
+            )
+        module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    module = module.to(device)
+    if trainer.channels_last:
+        module = module.to(memory_format=torch.channels_last)
+    ema = EMA(module, trainer.ema_decay) if trainer.ema_decay is not None else None
+    log.info("Instantiating strategy <%s>", strategy_cfg._target_)
+    strategy = instantiate(strategy_cfg)
+    train = strategy.wrap(module, ema and ema.module, env, device, ddp, param_dtype=param_dtype)
+    return Model(train, module, ema, strategy)
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Whatever runs inside draws nothing from the streams training uses."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        restore_rng(state)
+
+
+@torch.no_grad()
+def check_task(task: Task, module: torch.nn.Module, batch: Any, device: torch.device) -> None:
+    """The task on a real training batch, before anything is written: a task that cannot read
+    the data, or a model whose outputs do not fit it, is a ConfigError naming the fix (every
+    rank sees the same batch and raises alike). Eval mode and saved RNG: training is unchanged."""
+    module.eval()
+    with preserved_rng():
+        task.check(module, to_device(batch, device))
+    module.train()
+
+
+def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimization:
+    """The DDP comm hook (registered on the model), optimizer and schedule, with precision."""
+    model, precision = parts.model, parts.precision
+    comm = instantiate(cfg.comm)(env=env)
+    comm.guard_nonfinite = parts.trainer.on_nonfinite == "skip"
+    comm.attach(model.train, model.module, grad_scale=precision.loss_scale)
+    lr = scaled_lr(cfg.optimizer, parts.global_batch_size)
+    log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)
+    overrides = model.strategy.optimizer_overrides(cfg.optimizer)
+    optimizer = build_optimizer(cfg.optimizer, model.module, lr, overrides)
+    scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=parts.total_steps)
+    return Optimization(optimizer, scheduler, precision, comm)
+
+
+def compiled(model: Model, compile: bool) -> Model:
+    """trainer.compile: after the comm hook is registered on the DDP wrapper, which is what
+    gets compiled; checkpoints keep the bare module's keys."""
+    return dataclasses.replace(model, train=torch.compile(model.train)) if compile else model
+
+
+def build_runner(
+    cfg: DictConfig,
+    parts: Parts,
+    optimization: Optimization,
+    env: DistEnv,
+    backend: str,
+    requests: StopRequests,
+    outputs: Outputs,
+) -> Runner:
+    """The training loop with everything it is handed."""
+    trainer, task = parts.trainer, parts.task
+    device = parts.device
+    return Runner(
+        env=env,
+        device=device,
+        trainer=trainer,
+        task=task,
+        model=parts.model,
+        optimization=optimization,
+        loaders=parts.loaders,
+        outputs=outputs,
+        selection=ModelSelection.build(
+            resolve_monitor(cfg.objective, task.directions()),
+            keep_best=cfg.checkpoint.best,
+            early_stopping=trainer.early_stopping,
+        ),
+        # Stop signals travel on a CPU (gloo) group, also when training uses NCCL.
+        signals=SignalExchange(env, requests, host_group(env, backend)),
+        meter=build_meter(cfg.model, parts, env, device),
+    )
+
+
+def build_meter(
+    model_cfg: DictConfig, parts: Parts, env: DistEnv, device: torch.device
+) -> UtilizationMeter:
+    """The logged utilization: the FLOPs of one optimizer step of the whole job
+    (trainer.count_flops) and one device's peak for MFU (trainer.peak_tflops or the table)."""
+    trainer = parts.trainer
+    step_flops = (
+        step_flops_of(lambda: instantiate(model_cfg), parts, env, device)
+        if trainer.count_flops
+        else None
+    )
+    peak = device_peak_tflops(trainer.peak_tflops, device, parts.precision.name)
+    return UtilizationMeter(step_flops, peak, device, env.rank, env.world_size)
+
+
+def step_flops_of(
+    new_model: Callable[[], torch.nn.Module], parts: Parts, env: DistEnv, device: torch.device
+) -> int | None:
+    """One micro-batch's FLOPs (forward + backward, on the first training batch and a fresh copy
+    of the model: the trained model, the optimizer and the RNG streams stay as they were) x
+    micro-batches per step x ranks."""
+    with preserved_rng():
+        flops, where = micro_batch_flops(
+            parts.task,
+            new_model,
+            parts.train_batch,
+            device,
+            lambda batch, to: to_device(batch, to, False),
+        )
+    if flops is None:
+        return None
+    accumulation = parts.trainer.grad_accum
+    step_flops = flops * accumulation * env.world_size
+    log.info(
+        "model FLOPs per optimizer step: %.4g = %.4g per micro-batch of %d x %d micro-batches x "
+        "%d ranks (forward + backward, counted on %s)",
+        step_flops,
+        flops,
+        parts.loaders.train.batch_size,
+        accumulation,
+        env.world_size,
+        where,
+    )
+    return step_flops

@@ -1,0 +1,193 @@
+"""One rank, start to end: every start path enters here (framework/launch/rank_entry.py) with
+the same resolved config and run dir.
+
+process group -> build (build.py) -> train (loop.py) or, mode=eval, evaluate (eval_mode.py) ->
+finish (finish.py). This module reads the whole config; what it builds gets its own section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from framework.components.loggers import build_sink, setup_logging
+from framework.config.redaction import redacted_container
+from framework.config.resume_rules import training_settings
+from framework.config.schemas import CheckpointConfig
+from framework.config.validation import sharded_checkpoints
+from framework.core import startup_clock
+from framework.core.distributed import (
+    broadcast_object,
+    limit_cpu_threads,
+    pick_backend,
+    pick_device,
+    process_group,
+)
+from framework.core.exits import ConfigError, NonFiniteLoss, Stopped
+from framework.core.launch_context import DistEnv
+from framework.rank.build import (
+    Parts,
+    build_optimization,
+    build_parts,
+    build_runner,
+    compiled,
+    seed_everything,
+)
+from framework.rank.eval_mode import EvalRequest, evaluate_checkpoint
+from framework.rank.finish import final_line, finish
+from framework.rank.loop import Outputs
+from framework.rank.stopping import StopRequests
+from framework.storage.checkpoint import Checkpointer
+from framework.storage.run_dir import RunDir
+
+log = logging.getLogger("framework")
+
+
+def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[str, Any] | None:
+    """Train (or, mode=eval, evaluate) on this rank. Returns the summary on rank 0, None
+    elsewhere."""
+    device = pick_device(env)
+    limit_cpu_threads(env)
+    backend = pick_backend(cfg.dist.backend, device)
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto "
+            "(gloo on CPU) or dist.backend=gloo"
+        )
+    # Installed first: a signal during start-up stops the run at its first step.
+    requests = StopRequests(list(cfg.trainer.stop_signals)).install()
+    try:
+        with process_group(env, backend, cfg.dist.timeout_s, store):
+            startup_clock.mark("process group")
+            if env.composed_own_config and env.distributed:
+                cfg, run_dir = broadcast_object((cfg, run_dir))  # rank 0's config runs
+            run = RunDir(run_dir)
+            setup_logging(env.is_main, env.rank, run.log)
+            log_layout(cfg, env, device, backend, run)
+            parts = build_parts(cfg, env, device)
+            if cfg.mode == "eval":
+                return evaluate_checkpoint(parts, eval_request(cfg), run, env)
+            return train(cfg, parts, run, env, backend, requests)
+    except Stopped as stop:
+        if env.is_main:
+            log.warning("%s. %s", stop, RunDir(run_dir).resume_hint(cfg))
+        raise
+    except NonFiniteLoss as error:
+        if env.is_main:
+            log.error("%s", error)
+        raise
+    finally:
+        requests.uninstall()
+
+
+def log_layout(
+    cfg: DictConfig, env: DistEnv, device: torch.device, backend: str, run: RunDir
+) -> None:
+    per_rank, accumulation = cfg.data.batch_size, cfg.trainer.grad_accum
+    log.info(
+        "world_size=%d backend=%s device=%s | global batch %d = %d per rank x %d ranks x %d "
+        "accumulation steps | run dir %s",
+        env.world_size,
+        backend,
+        device.type,
+        per_rank * env.world_size * accumulation,
+        per_rank,
+        env.world_size,
+        accumulation,
+        run.path,
+    )
+
+
+def eval_request(cfg: DictConfig) -> EvalRequest:
+    return EvalRequest(
+        split=cfg.eval.split,
+        checkpoint=Path(cfg.checkpoint.resume).expanduser(),
+        record=redacted_container(cfg),
+        objective=cfg.objective,
+        data_target=cfg.data._target_,
+    )
+
+
+def train(
+    cfg: DictConfig,
+    parts: Parts,
+    run: RunDir,
+    env: DistEnv,
+    backend: str,
+    requests: StopRequests,
+) -> dict[str, Any] | None:
+    """Train from scratch or from the checkpoint to resume, then finish; a run that is
+    already complete is left as it is."""
+    seed_everything(parts.trainer.seed + env.rank)  # per-rank streams from here on
+    optimization = build_optimization(cfg, env, parts)
+    parts = dataclasses.replace(parts, model=compiled(parts.model, parts.trainer.compile))
+    # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
+    # key still resumes).
+    record = redacted_container(cfg)
+    checkpoint: CheckpointConfig = OmegaConf.to_object(cfg.checkpoint)  # type: ignore[assignment]
+    checkpointer = Checkpointer(
+        checkpoint, run.checkpoints, env, training_settings(record), sharded_checkpoints(cfg)
+    )
+    resumed = checkpointer.find_resume()
+    if resumed and is_complete(resumed[1], parts.total_steps) and run.summary.exists():
+        return _already_complete(run, resumed[1], parts.total_steps, env)
+    if env.is_main:
+        accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
+    sink = build_sink(
+        env.is_main,
+        cfg.logger,
+        run,
+        record,
+        resume_ids=resumed[1]["logger_ids"] if resumed else {},
+        resume_step=resumed[1]["step"] if resumed else 0,
+    )
+    checkpointer.logger_ids = sink.run_ids
+    try:
+        outputs = Outputs(sink, checkpointer, profile_dir=run.path / "profile")
+        runner = build_runner(cfg, parts, optimization, env, backend, requests, outputs)
+        if resumed:
+            runner.load_checkpoint(*resumed)
+            state = runner.state
+            log.info("resumed from %s at step %d (epoch %d)", resumed[0], state.step, state.epoch)
+        startup_clock.mark("setup")
+        summary = finish(runner.fit(), cfg.objective, parts, sink, run, env)
+    finally:
+        checkpointer.close()
+        sink.close()
+    if summary is not None:
+        log.info("done: %s", final_line(summary, parts.task, run))
+    return summary
+
+
+def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
+    """A checkpoint at the planned last step, or of a run that early stopping ended."""
+    return payload["step"] >= total_steps or bool(payload["trainer"].get("stopped_early"))
+
+
+def _already_complete(
+    run: RunDir, payload: dict[str, Any], total_steps: int, env: DistEnv
+) -> dict[str, Any] | None:
+    log.info(
+        "%s is complete at step %d (%s): nothing to do; raise trainer.max_steps or "
+        "trainer.max_epochs to train further",
+        run.path,
+        payload["step"],
+        payload["trainer"].get("stopped_early") or f"the planned {total_steps} steps",
+    )
+    return run.read_summary() if env.is_main else None
+
+
+def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:
+    """The run goes ahead in this dir (a refused resume has changed nothing before this)."""
+    run.save_config(record)
+    # A resume, or a restart (torchrun, SLURM requeue) that found no checkpoint: from 0.
+    dropped = run.trim_metrics(kept_step)
+    if dropped:
+        log.info(
+            "metrics.jsonl: %d events after step %d dropped; they are re-run", dropped, kept_step
+        )
