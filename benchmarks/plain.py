@@ -26,10 +26,16 @@ DDP_OPTIONS = {"bucket_cap_mb": 25.0, "gradient_as_bucket_view": True}  # conf: 
 
 def dataset(work: Work, world_size: int):
     from framework.components.data import synthetic
+    from framework.config.registry import option_values
 
-    return synthetic(
-        train_size=work.train_size(world_size), val_size=work.val_size, image_size=work.image_size
-    ).train
+    values = option_values(
+        "data",
+        "synthetic",
+        train_size=work.train_size(world_size),
+        val_size=work.val_size,
+        image_size=work.image_size,
+    )
+    return synthetic(**values).train
 
 
 def plain_loop(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:

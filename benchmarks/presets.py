@@ -40,8 +40,9 @@ def baseline(preset: str, run_dir: Path) -> tuple[str, float]:
         from sklearn.metrics import r2_score
 
         from framework.components.data import diabetes
+        from framework.config.registry import option_values
 
-        splits = diabetes()
+        splits = diabetes(**option_values("data", "diabetes"))
         (features, targets), (val_features, val_targets) = splits.train.tensors, splits.val.tensors
         fit = LinearRegression().fit(features.numpy(), targets.numpy())
         return "linear regression R²", float(
@@ -49,8 +50,9 @@ def baseline(preset: str, run_dir: Path) -> tuple[str, float]:
         )
     if preset == "char_gpt":
         from framework.components.data import text, unigram_entropy
+        from framework.config.registry import option_values
 
-        val = text().val
+        val = text(**option_values("data", "text")).val
         return "unigram entropy (bits/char)", unigram_entropy(bytes(val.tokens.tolist()).decode())
     if preset == "digits_vae":
         events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

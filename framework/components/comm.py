@@ -19,18 +19,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from framework.config.schemas import PowerSGDConfig as Defaults
 from framework.core.launch_context import DistEnv
 
 log = logging.getLogger(__name__)
 ScaleSource = Callable[[], torch.Tensor | None]
+
+
+WireDtype = Literal["fp16", "bf16"]  # what gradients travel as
 
 
 def gradient_bytes(model: nn.Module) -> int:
@@ -115,7 +117,7 @@ class CompressedAllreduce(Comm):
         "bf16": default_hooks.bf16_compress_hook,
     }
 
-    def __init__(self, env: DistEnv, wire: str) -> None:
+    def __init__(self, env: DistEnv, wire: WireDtype) -> None:
         super().__init__(env)
         self.name = wire
         self.hook = self.torch_hooks[wire]
@@ -147,14 +149,14 @@ class PowerSGD(Comm):
     def __init__(
         self,
         env: DistEnv,
-        rank: int = Defaults.rank,
-        start_iter: int = Defaults.start_iter,
-        min_compression_rate: float = Defaults.min_compression_rate,
-        error_feedback: bool = Defaults.error_feedback,
-        warm_start: bool = Defaults.warm_start,
-        orthogonalization_epsilon: float = Defaults.orthogonalization_epsilon,
-        compress: str | None = Defaults.compress,
-        seed: int = Defaults.seed,
+        rank: int,
+        start_iter: int,
+        min_compression_rate: float,
+        error_feedback: bool,
+        warm_start: bool,
+        orthogonalization_epsilon: float,
+        compress: WireDtype | None,
+        seed: int,
     ) -> None:
         super().__init__(env)
         self.rank = rank

@@ -36,13 +36,6 @@ from torch.utils.data import (
     TensorDataset,
 )
 
-from framework.config.schemas import (
-    Cifar10Config,
-    DiabetesConfig,
-    DigitsConfig,
-    SyntheticConfig,
-    TextConfig,
-)
 from framework.core.launch_context import DistEnv
 
 log = logging.getLogger("framework")
@@ -107,10 +100,10 @@ def bundled_with_scikit_learn(name: str, **loadtxt: Any) -> np.ndarray:
 
 
 def digits(
-    val_fraction: float = DigitsConfig.val_fraction,
-    test_fraction: float = DigitsConfig.test_fraction,
-    split_seed: int = DigitsConfig.split_seed,
-    normalize: bool = DigitsConfig.normalize,
+    val_fraction: float,
+    test_fraction: float,
+    split_seed: int,
+    normalize: bool,
     **_: object,
 ) -> Splits:
     """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes. Pixels in
@@ -125,9 +118,9 @@ def digits(
 
 
 def diabetes(
-    val_fraction: float = DiabetesConfig.val_fraction,
-    test_fraction: float = DiabetesConfig.test_fraction,
-    split_seed: int = DiabetesConfig.split_seed,
+    val_fraction: float,
+    test_fraction: float,
+    split_seed: int,
     **_: object,
 ) -> Splits:
     """scikit-learn's bundled diabetes data: 442 patients, 10 features, disease progression one
@@ -174,9 +167,9 @@ def decode_ascii(ids: list[int]) -> str:
 
 
 def text(
-    block_size: int = TextConfig.block_size,
-    stride: int = TextConfig.stride,
-    val_fraction: float = TextConfig.val_fraction,
+    block_size: int,
+    stride: int,
+    val_fraction: float,
     **_: object,
 ) -> Splits:
     """English text that ships with Python: the standard library's help topics
@@ -226,12 +219,12 @@ class PadSequences:
 
 
 def synthetic(
-    train_size: int = SyntheticConfig.train_size,
-    val_size: int = SyntheticConfig.val_size,
-    in_channels: int = SyntheticConfig.in_channels,
-    image_size: int = SyntheticConfig.image_size,
-    num_classes: int = SyntheticConfig.num_classes,
-    seed: int = SyntheticConfig.seed,
+    train_size: int,
+    val_size: int,
+    in_channels: int,
+    image_size: int,
+    num_classes: int,
+    seed: int,
     **_: object,
 ) -> Splits:
     """Random CIFAR-shaped images; labels come from a fixed random projection, so they are
@@ -295,8 +288,8 @@ class CifarBatches(Dataset):
 
 def cifar10(
     root: str | None,
-    download: bool = Cifar10Config.download,
-    augment: bool = Cifar10Config.augment,
+    download: bool,
+    augment: bool,
     **_: object,
 ) -> Splits:
     """CIFAR-10 from a local folder in torchvision's layout (`cifar-10-batches-py`)."""

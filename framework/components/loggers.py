@@ -16,7 +16,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -144,7 +144,7 @@ class WandbSink(_Guarded):
         group: str | None,
         run_name: str | None,
         tags: list[str],
-        mode: str,
+        mode: Literal["auto", "online", "offline", "disabled"],
         resume_id: str | None = None,
         resume_step: int = 0,
     ) -> None:
@@ -224,7 +224,7 @@ class CsvSink(NullSink):
         self,
         run: RunDir,
         config: dict,
-        filename: str = "metrics.csv",
+        filename: str,
         resume_id: str | None = None,
         resume_step: int = 0,
     ) -> None:

@@ -15,8 +15,6 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from framework.config.schemas import AmpConfig
-
 
 class Precision:
     """fp32: the reference; subclasses change only what differs."""
@@ -81,10 +79,10 @@ class AMP(Precision):
     def __init__(
         self,
         device: torch.device,
-        init_scale: float = AmpConfig.init_scale,
-        growth_factor: float = AmpConfig.growth_factor,
-        backoff_factor: float = AmpConfig.backoff_factor,
-        growth_interval: int = AmpConfig.growth_interval,
+        init_scale: float,
+        growth_factor: float,
+        backoff_factor: float,
+        growth_interval: int,
     ) -> None:
         super().__init__(device)
         self.scaler = torch.amp.GradScaler(

@@ -10,8 +10,6 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 
-from framework.config.schemas import CosineSchedulerConfig, StepSchedulerConfig
-
 
 def constant(optimizer: Optimizer, total_steps: int) -> LRScheduler:
     return LambdaLR(optimizer, lambda _: 1.0)
@@ -20,8 +18,8 @@ def constant(optimizer: Optimizer, total_steps: int) -> LRScheduler:
 def cosine_with_warmup(
     optimizer: Optimizer,
     total_steps: int,
-    warmup_steps: int = CosineSchedulerConfig.warmup_steps,
-    min_lr_ratio: float = CosineSchedulerConfig.min_lr_ratio,
+    warmup_steps: int,
+    min_lr_ratio: float,
 ) -> LRScheduler:
     """Linear warmup from ~0 to the base lr, then cosine decay to min_lr_ratio * base lr.
 
@@ -40,7 +38,7 @@ def cosine_with_warmup(
 def step(
     optimizer: Optimizer,
     total_steps: int,
-    step_size: int = StepSchedulerConfig.step_size,
-    gamma: float = StepSchedulerConfig.gamma,
+    step_size: int,
+    gamma: float,
 ) -> LRScheduler:
     return StepLR(optimizer, step_size=step_size, gamma=gamma)

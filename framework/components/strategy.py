@@ -36,7 +36,6 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from framework.config.schemas import FSDPConfig
 from framework.core.distributed import wrap_ddp
 from framework.core.exits import ConfigError
 from framework.core.launch_context import DistEnv
@@ -120,8 +119,8 @@ class FSDP(DDP):
 
     def __init__(
         self,
-        block_classes: list[str] | None = FSDPConfig.block_classes,
-        reshard_after_forward: bool = FSDPConfig.reshard_after_forward,
+        block_classes: list[str] | None,
+        reshard_after_forward: bool,
     ) -> None:
         self.block_classes = None if block_classes is None else list(block_classes)
         self.reshard_after_forward = reshard_after_forward

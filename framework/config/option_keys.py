@@ -1,122 +1,183 @@
-"""Every key of a component's node is something its callable or the framework takes. A misspelt
-keyword (`+model.hiden=3`, `+data.batch_sise=8`) is refused with a did-you-mean before the run
-dir exists, instead of failing in every rank with a traceback or, where the callable swallows
-`**kwargs`, training silently with the default.
+"""Every key of an option is something its callable or the framework takes, of the type its
+signature says. A misspelt keyword (`+model.hiden=3`, `data.val_fracton=0.3`) is refused with a
+did-you-mean before the run dir exists, instead of failing in every rank with a traceback or,
+where the callable swallows `**kwargs`, training silently with the default; `data.noise=abc`
+for a `noise: float` is refused like a typed key.
 
-A key is known when it is a parameter of the callable (`_target_`), a field of the node's
-schema, or a field of its group's base schema (the keys the framework reads itself, such as
-data.batch_size). An unknown key is refused, except where the callable takes `**kwargs` and the
-key is not a near-miss of a known one: torchvision's `resnet18(**kwargs)` takes `num_classes`
-that its signature does not name.
-
-A key the schema does not declare but the callable names takes its type from the callable's
-annotation where that is int, float or bool: a user's own loader, model or task is then the
-schema of its own keys (`noise: float = 0.1`), and `data.noise=abc` is refused like a typed key.
+A key is known when it is a parameter of the callable (`_target_`, read from source without
+importing it: signatures.py) or a field of its group's base schema (the keys the framework
+reads itself, such as data.batch_size, typed by OmegaConf). An unknown key is refused, except
+where the callable takes `**kwargs` and the key is not a near-miss of a known one: torchvision's
+`resnet18(**kwargs)` takes `num_classes` that its signature does not name.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
-import inspect
 from collections.abc import Iterator
+from typing import Any
 
-from hydra.utils import get_object
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from framework.config import schemas as s
+from framework.config.registry import GROUP_BASES
+from framework.config.signatures import Signature, signature_of
 from framework.core.exits import ConfigError
 
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_convert_", "_recursive_", "_args_"})
-# The schema every option of a group extends: the keys the framework reads from any option.
-GROUP_BASES: dict[str, type] = {
-    "task": s.TaskConfig,
-    "model": s.ModelConfig,
-    "data": s.DataConfig,
-    "optimizer": s.OptimizerConfig,
-    "scheduler": s.SchedulerConfig,
-    "precision": s.PrecisionConfig,
-    "comm": s.CommConfig,
-}
 
 
 def check_target_keys(cfg: DictConfig) -> None:
-    """Raise ConfigError for a key of a component's node that nothing takes. Call after the
-    allowlist check: it imports each `_target_`."""
+    """Raise ConfigError for a key of an option that nothing takes, or of a type its callable
+    does not take. Reads the callables' source; imports nothing."""
     for path, node, base in _component_nodes(cfg):
-        declared = HYDRA_KEYS | _fields(OmegaConf.get_type(node)) | _fields(base)
+        declared = HYDRA_KEYS | _fields(base)
         extra = [str(key) for key in node if str(key) not in declared]
-        if not extra:  # every key is in a schema: nothing to import
+        if not extra:  # every key is the framework's: nothing to read
             continue
-        parameters = _parameters(node._target_)
-        if parameters is None:  # not introspectable: instantiate reports what it finds
+        signature = signature_of(str(node._target_))
+        if signature is None:  # not readable from source: instantiate reports what it finds
             continue
-        named, open_ended = parameters
-        known = (set(named) | declared) - HYDRA_KEYS
         for key in extra:
-            if key in named:
-                _check_type(f"{path}.{key}", node[key], named[key], node._target_)
-            if key in known:
-                continue
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            if open_ended and not close:
-                continue
-            hint = (
-                f"did you mean {path}.{close[0]}?"
-                if close
-                else (f"it takes {', '.join(sorted(named)) or 'no keyword'}")
-            )
-            raise ConfigError(f"{path}.{key} is not a setting of {node._target_}: {hint}")
+            _check_key(path, key, node, signature, declared)
+
+
+def _check_key(
+    path: str, key: str, node: DictConfig, signature: Signature, declared: frozenset[str]
+) -> None:
+    parameter = signature.parameters.get(key)
+    if parameter is not None:
+        if parameter.annotation is not None:
+            check_type(f"{path}.{key}", node[key], parameter.annotation, signature.target)
+        return
+    known = (set(signature.parameters) | declared) - HYDRA_KEYS
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    if signature.takes_kwargs and not close:
+        return
+    hint = (
+        f"did you mean {path}.{close[0]}?"
+        if close
+        else f"it takes {', '.join(sorted(signature.parameters)) or 'no keyword'}"
+    )
+    raise ConfigError(f"{path}.{key} is not a setting of {signature.target}: {hint}")
 
 
 def _component_nodes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig, type | None]]:
     for group, base in GROUP_BASES.items():
         node = cfg.get(group)
-        if isinstance(node, DictConfig) and "_target_" in node:
+        if group == "logger":  # any number of them, each under its name
+            for name, logger in (node or {}).items():
+                if isinstance(logger, DictConfig) and "_target_" in logger:
+                    yield f"logger.{name}", logger, base
+        elif isinstance(node, DictConfig) and "_target_" in node:
             yield group, node, base
-    for name, node in (cfg.get("logger") or {}).items():
-        if isinstance(node, DictConfig) and "_target_" in node:
-            yield f"logger.{name}", node, s.LoggerConfig
 
 
-# The annotations a value is checked against, and what each accepts (bool is an int to Python).
-# Not str: `name=123` on the command line arrives as an int that a str parameter may well take.
-SIMPLE_TYPES: dict[object, tuple[type, ...]] = {int: (int,), float: (int, float), bool: (bool,)}
-
-
-def _check_type(key: str, value: object, annotation: object, target: str) -> None:
-    accepted = SIMPLE_TYPES.get(annotation)
-    if accepted is None or value is None:  # (None: the callable's own default decides)
+def check_type(key: str, value: Any, annotation: ast.expr, target: str) -> None:
+    """Raise ConfigError when `value` is not of the annotated type (as far as an annotation
+    written with builtins, typing's Optional/Union/Literal and containers says; any other
+    annotation accepts anything). None is left to the callable: it may be its own default."""
+    if value is None or _accepts(annotation, value) is not False:
         return
-    if isinstance(value, bool) and bool not in accepted or not isinstance(value, accepted):
-        name = annotation.__name__  # type: ignore[attr-defined]
-        raise ConfigError(
-            f"{key}={value!r} is not of type {name}: {target} takes {key.split('.')[-1]}: {name}"
-        )
+    name, written = key.split(".")[-1], ast.unparse(annotation)
+    choices = _choices(annotation)
+    expected = f"one of {', '.join(map(repr, choices))}" if choices else f"of type {written}"
+    raise ConfigError(f"{key}={_shown(value)} is not {expected}: {target} takes {name}: {written}")
 
 
-def _parameters(target: str) -> tuple[dict[str, object], bool] | None:
-    """({keyword parameter `target` names: its annotation}, whether it also takes **kwargs)."""
-    try:
-        callable_ = get_object(target)
-        try:
-            signature = inspect.signature(callable_, eval_str=True)
-        except (NameError, AttributeError, SyntaxError, TypeError):  # annotations that need imports
-            signature = inspect.signature(callable_)
-    except Exception:  # not importable, or a builtin without a signature
-        return None
-    named = {
-        name: parameter.annotation
-        for name, parameter in signature.parameters.items()
-        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
-    }
-    open_ended = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-    return named, open_ended
+def _choices(annotation: ast.expr) -> list[Any]:
+    """The values a Literal annotation allows (inside an Optional or `| None` too)."""
+    return [
+        node.value
+        for literal in ast.walk(annotation)
+        if isinstance(literal, ast.Subscript) and _name(literal.value) == "Literal"
+        for node in ast.walk(literal.slice)
+        if isinstance(node, ast.Constant)
+    ]
 
 
-def _fields(schema: type | None) -> set[str]:
+def _shown(value: Any) -> str:
+    if isinstance(value, DictConfig | ListConfig):
+        return str(OmegaConf.to_container(value))
+    return repr(value)
+
+
+# What a value of each builtin annotation may be (bool is an int to Python, and not one here).
+# str: any scalar, since `name=123` on the command line arrives as an int that a str takes.
+SCALARS: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str, int, float),
+    "complex": (int, float, complex),
+}
+SEQUENCES = {"list", "List", "tuple", "Tuple", "Sequence", "Iterable", "Collection", "set"}
+MAPPINGS = {"dict", "Dict", "Mapping", "MutableMapping"}
+UNIONS = {"Union", "Optional"}
+
+
+def _accepts(annotation: ast.expr, value: Any) -> bool | None:
+    """True or False where the annotation says; None where it says nothing we can check."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        try:  # a string annotation: the same, quoted
+            return _accepts(ast.parse(annotation.value, mode="eval").body, value)
+        except SyntaxError:
+            return None
+    if isinstance(annotation, ast.Constant) and annotation.value is None:
+        return value is None
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        return _any_of([annotation.left, annotation.right], value)
+    name = _name(annotation.value if isinstance(annotation, ast.Subscript) else annotation)
+    if isinstance(annotation, ast.Subscript):
+        return _accepts_subscript(name, annotation.slice, value)
+    if name in SCALARS:
+        return isinstance(value, SCALARS[name]) and (name == "bool") == isinstance(value, bool)
+    if name in SEQUENCES:
+        return isinstance(value, ListConfig | list | tuple)
+    if name in MAPPINGS:
+        return isinstance(value, DictConfig | dict)
+    return None
+
+
+def _accepts_subscript(name: str | None, inner: ast.expr, value: Any) -> bool | None:
+    items = inner.elts if isinstance(inner, ast.Tuple) else [inner]
+    if name in UNIONS:
+        return value is None if name == "Optional" and value is None else _any_of(items, value)
+    if name == "Literal":
+        choices = [item.value for item in items if isinstance(item, ast.Constant)]
+        return value in choices and type(value) in {type(choice) for choice in choices}
+    if name in SEQUENCES:
+        if not isinstance(value, ListConfig | list | tuple):
+            return False
+        element = items[0] if len(items) == 1 or name not in ("tuple", "Tuple") else None
+        if element is None or (isinstance(element, ast.Constant) and element.value is Ellipsis):
+            return True
+        return all(_accepts(element, item) is not False for item in value)
+    if name in MAPPINGS:
+        return isinstance(value, DictConfig | dict)
+    return None
+
+
+def _any_of(options: list[ast.expr], value: Any) -> bool | None:
+    verdicts = [_accepts(option, value) for option in options]
+    if any(verdict is None or verdict for verdict in verdicts):
+        return None if not any(verdicts) else True
+    return False
+
+
+def _name(node: ast.expr) -> str | None:
+    """`int`, `typing.Optional` -> `Optional`, `t.List` -> `List`."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _fields(schema: type | None) -> frozenset[str]:
     return (
-        {item.name for item in dataclasses.fields(schema)}
+        frozenset(item.name for item in dataclasses.fields(schema))
         if dataclasses.is_dataclass(schema)
-        else set()
+        else frozenset()
     )

@@ -1,103 +1,84 @@
-"""The one place where the config is made known to Hydra: every group option's typed schema (in
-its ConfigStore, as schema/<group>/<option>, which the YAML files in conf/ extend) and the
-resolvers the YAML files use. framework/train.py calls `register_configs()` before Hydra
-composes anything; so do tests and benchmarks that compose a config themselves.
+"""The one place where the config is made known to Hydra: the root schema, each group's base
+schema (in its ConfigStore as schema/<group>/base, which every option of the group extends, the
+shipped ones as a user's own), the launchers' schemas, and the resolvers the YAML files use.
+framework/train.py calls `register_configs()` before Hydra composes anything; so do tests and
+benchmarks that compose a config themselves.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+from collections.abc import Iterator
+from pathlib import Path
 
+import yaml
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schemas as s
 from framework.config.resolvers import register_resolvers
+from framework.core.config_dir import CONF_DIR
 
-# group -> option -> schema. A YAML option of the group starts with
-# `defaults: [/schema/<group>/<option>@_here_]`; `base` is the schema a user's own option extends.
-# A base is stored open: the user's option adds keys of its own, typed and checked against its
-# `_target_`'s signature (framework/config/option_keys.py), while the framework's keys stay typed.
-SCHEMAS: dict[str, dict[str, type]] = {
-    "task": {
-        "base": s.TaskConfig,
-        "classification": s.ClassificationConfig,
-        "regression": s.RegressionConfig,
-        "language_model": s.LanguageModelConfig,
-        "autoencoder": s.AutoencoderConfig,
-    },
-    "model": {
-        "base": s.ModelConfig,
-        "mlp": s.MLPConfig,
-        "cnn": s.CNNConfig,
-        "resnet18": s.ResNet18Config,
-        "resnet50": s.ResNet50Config,
-        "ffn": s.FeedForwardConfig,
-        "vae": s.VAEModelConfig,
-        "gpt": s.GPTConfig,
-    },
-    "data": {
-        "base": s.DataConfig,
-        "digits": s.DigitsConfig,
-        "diabetes": s.DiabetesConfig,
-        "text": s.TextConfig,
-        "synthetic": s.SyntheticConfig,
-        "cifar10": s.Cifar10Config,
-    },
-    "optimizer": {"sgd": s.SGDConfig, "adamw": s.AdamWConfig},
-    "scheduler": {
-        "constant": s.ConstantSchedulerConfig,
-        "cosine": s.CosineSchedulerConfig,
-        "step": s.StepSchedulerConfig,
-    },
-    "precision": {"fp32": s.PrecisionConfig, "bf16": s.BF16Config, "amp": s.AmpConfig},
-    "comm": {
-        "allreduce": s.CommConfig,
-        "fp16": s.FP16CommConfig,
-        "bf16": s.BF16CommConfig,
-        "powersgd": s.PowerSGDConfig,
-    },
-    "strategy": {"ddp": s.StrategyConfig, "fsdp": s.FSDPConfig},
-    "launcher": {
-        "local": s.LocalLauncherConfig,
-        "torchrun": s.TorchrunLauncherConfig,
-        "slurm": s.SlurmLauncherConfig,
-        "slurm_local": s.SlurmLocalLauncherConfig,
-    },
-    "logger": {
-        "base": s.LoggerConfig,
-        "wandb": s.WandbLoggerConfig,
-        "tensorboard": s.TensorBoardLoggerConfig,
-        "csv": s.CsvLoggerConfig,
-        "mlflow": s.MLflowLoggerConfig,
-    },
+# group -> the schema of the keys the framework reads from any of its options. Stored open: an
+# option adds keys of its own, typed by its `_target_`'s signature (option_keys.py), while the
+# framework's keys stay typed.
+GROUP_BASES: dict[str, type] = {
+    "task": s.TaskConfig,
+    "model": s.ModelConfig,
+    "data": s.DataConfig,
+    "optimizer": s.OptimizerConfig,
+    "scheduler": s.SchedulerConfig,
+    "precision": s.PrecisionConfig,
+    "comm": s.CommConfig,
+    "strategy": s.StrategyConfig,
+    "logger": s.LoggerConfig,
 }
-
-
+# The launchers build nothing by `_target_`: every key is the framework's, typed here.
+LAUNCHERS: dict[str, type] = {
+    "local": s.LocalLauncherConfig,
+    "torchrun": s.TorchrunLauncherConfig,
+    "slurm": s.SlurmLauncherConfig,
+    "slurm_local": s.SlurmLocalLauncherConfig,
+}
 # Building blocks a config may name besides the options' own targets.
 BUILDING_BLOCKS = ("framework.components.data.PadSequences",)
 
 
+@functools.cache
 def shipped_targets() -> frozenset[str]:
     """Every framework callable a config may name: the `_target_` of each shipped option."""
-    targets = {
-        field.default
-        for options in SCHEMAS.values()
-        for schema in options.values()
-        for field in dataclasses.fields(schema)
-        if field.name == "_target_" and isinstance(field.default, str)
-    }
-    return frozenset({*targets, *BUILDING_BLOCKS} - {MISSING})
+    return frozenset({*_targets_in(CONF_DIR), *BUILDING_BLOCKS})
+
+
+def shipped_options(group: str) -> dict[str, Path]:
+    """The shipped options of `group`: name -> YAML file."""
+    return {path.stem: path for path in sorted((CONF_DIR / group).glob("*.yaml"))}
+
+
+def _targets_in(conf: Path) -> Iterator[str]:
+    for group in GROUP_BASES:
+        for path in shipped_options(group).values():
+            yield from _targets(yaml.safe_load(path.read_text()))
+
+
+def _targets(node: object) -> Iterator[str]:
+    """Every `_target_` in a YAML document (a logger's sits under its name)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "_target_" and isinstance(value, str):
+                yield value
+            else:
+                yield from _targets(value)
 
 
 def register_configs() -> None:
     """Store every schema in Hydra's ConfigStore and register the resolvers (idempotent)."""
     store = ConfigStore.instance()
     store.store(name="base_config", node=s.Config)
-    for group, options in SCHEMAS.items():
-        for name, schema in options.items():
-            node = open_schema(schema) if name == "base" else schema
-            store.store(group=f"schema/{group}", name=name, node=node)
+    for group, base in GROUP_BASES.items():
+        store.store(group=f"schema/{group}", name="base", node=open_schema(base))
+    for name, schema in LAUNCHERS.items():
+        store.store(group="schema/launcher", name=name, node=schema)
     register_resolvers()
 
 
@@ -106,3 +87,27 @@ def open_schema(schema: type) -> DictConfig:
     node = OmegaConf.structured(schema)
     OmegaConf.set_struct(node, False)
     return node
+
+
+def shipped_choice(group: str, node: DictConfig) -> str:
+    """The shipped option of `group` that `node` is (its file's keys all as the node has them),
+    for messages; else the callable it names."""
+    for name, path in shipped_options(group).items():
+        values = yaml.safe_load(path.read_text()) or {}
+        values.pop("defaults", None)
+        if all(node.get(key) == value for key, value in values.items()):
+            return name
+    return str(node.get("_target_"))
+
+
+def option_values(group: str, name: str, **changes: object) -> dict[str, object]:
+    """The keywords conf/<group>/<name>.yaml gives its callable, `changes` on top: a shipped
+    option called from Python (tests, benchmarks) as `train` calls it. Interpolations
+    (`${data.num_classes}`) are left to `changes`."""
+    content = yaml.safe_load(shipped_options(group)[name].read_text()) or {}
+    values = {key: value for key, value in content.items() if not _is_special(key)}
+    return {**values, **changes}
+
+
+def _is_special(key: str) -> bool:
+    return key == "defaults" or (key.startswith("_") and key.endswith("_"))

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from framework.config import schemas as s
-from framework.config.registry import SCHEMAS
+from framework.config.registry import GROUP_BASES
 from framework.core.allowlist import matches_prefix
 
 
@@ -29,15 +29,24 @@ def _flagged(schema: type, flag: str, prefix: str) -> Iterator[str]:
 
 def _flagged_in_groups(flag: str, groups: Iterator[str] | tuple[str, ...]) -> Iterator[str]:
     for group in groups:
-        for schema in SCHEMAS[group].values():
-            yield from _flagged(schema, flag, f"{group}.")
+        if group in GROUP_BASES:
+            yield from _flagged(GROUP_BASES[group], flag, f"{group}.")
+
+
+# Where a data option finds its files, whichever option: a data set moved to another folder (or
+# fetched again) is the same data, for a resume and for an evaluation alike.
+DATA_LOCATION_KEYS = ("data.root", "data.download")
 
 
 @functools.cache
 def resumable_keys() -> tuple[str, ...]:
     """Keys (and whole sections) a resumed run may change: they do not alter what the next step
     computes (how long, how often, where to, with which logger or launcher)."""
-    keys = set(_flagged(s.Config, s.RESUMABLE, "")) | set(_flagged_in_groups(s.RESUMABLE, SCHEMAS))
+    keys = {
+        *_flagged(s.Config, s.RESUMABLE, ""),
+        *_flagged_in_groups(s.RESUMABLE, GROUP_BASES),
+        *DATA_LOCATION_KEYS,
+    }
     return tuple(sorted(keys))
 
 
@@ -50,7 +59,8 @@ def eval_compared_groups() -> tuple[str, ...]:
 @functools.cache
 def eval_may_differ_keys() -> tuple[str, ...]:
     """Keys of those groups that only say how examples are batched or found."""
-    return tuple(sorted(set(_flagged_in_groups(s.EVAL_MAY_DIFFER, eval_compared_groups()))))
+    keys = {*_flagged_in_groups(s.EVAL_MAY_DIFFER, eval_compared_groups()), *DATA_LOCATION_KEYS}
+    return tuple(sorted(keys))
 
 
 def must_match_in_eval(key: str) -> bool:

@@ -1,12 +1,14 @@
-"""Typed config schemas: the one source of every default (framework/config/registry.py
-stores them in Hydra's ConfigStore).
+"""Typed config schemas: the framework's own sections (trainer, checkpoint, dist, eval, the
+launchers) and, for each group of options, the base schema of the keys the framework reads from
+any option of it (data.batch_size, optimizer.lr_scaling, ...). framework/config/registry.py stores
+them in Hydra's ConfigStore.
 
-Every shipped group option's YAML is `defaults: [/schema/<group>/<option>@_here_]` and nothing
-else, so a typo or a wrong type fails at composition and names the key, and a default lives in
-exactly one place: here (tests/unit/test_config.py checks that YAML files and constructors hold
-no copy). A setting with a fixed set of values is an enum, so a wrong value fails at composition
-too. Components are built by `_target_`; those that need runtime arguments (the optimizer its
-parameters, precision its device) are `_partial_`.
+An option is two places: its YAML file in conf/<group>/ (extending its group's base, with
+`_target_` and every value of its own, each with a comment) and its callable, whose signature
+types those keys (option_keys.py, read from source). A typo or a wrong type fails at
+composition or validation and names the key; each default is in exactly one place: an option's
+own values in its YAML file, the framework's keys here. A setting with a fixed set of values is
+an enum here, a Literal in a callable's signature, so a wrong value fails before anything runs.
 
 What a resumed run may change and what an evaluation must match are declared on the fields
 themselves (`setting(..., resumable=True)`, `setting(..., eval_may_differ=True)`, and
@@ -85,92 +87,15 @@ class Backend(StrEnum):
     nccl = "nccl"
 
 
-class WireDtype(StrEnum):
-    fp16 = "fp16"
-    bf16 = "bf16"
-
-
-class Reconstruction(StrEnum):
-    mse = "mse"
-    bce = "bce"  # Bernoulli likelihood of inputs in [0, 1]
-
-
-class WandbMode(StrEnum):
-    auto = "auto"  # online when credentials exist, else offline
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
-
-
-# --- models ---------------------------------------------------------------------------------
+# --- the base schema of each group: the keys the framework reads from any option ---------------
 @dataclass
-class ModelConfig:
-    _target_: str = MISSING
-    num_classes: int = "${data.num_classes}"  # type: ignore[assignment]
-    in_channels: int = "${data.in_channels}"  # type: ignore[assignment]
+class TaskConfig:
+    _target_: str = MISSING  # a framework.components.tasks.Task subclass, or one of yours
 
 
 @dataclass
-class MLPConfig(ModelConfig):
-    """Flatten + Linear/ReLU blocks; no BatchNorm or dropout (exact DDP parity tests)."""
-
-    _target_: str = "framework.components.models.MLP"
-    image_size: int = "${data.image_size}"  # type: ignore[assignment]
-    hidden_sizes: list[int] = field(default_factory=lambda: [256, 128])
-
-
-@dataclass
-class CNNConfig(ModelConfig):
-    """Three 3x3 conv layers + global average pooling; fits 8x8 digits and 32x32 CIFAR."""
-
-    _target_: str = "framework.components.models.SmallCNN"
-    width: int = 32
-
-
-@dataclass
-class ResNet18Config(ModelConfig):
-    _target_: str = "framework.components.models.resnet18_cifar"
-
-
-@dataclass
-class ResNet50Config(ModelConfig):
-    _target_: str = "framework.components.models.resnet50"
-
-
-@dataclass
-class FeedForwardConfig:
-    """Linear-GELU blocks from data.num_features to data.num_outputs (tables)."""
-
-    _target_: str = "framework.components.models.FeedForward"
-    in_features: int = "${data.num_features}"  # type: ignore[assignment]
-    out_features: int = "${data.num_outputs}"  # type: ignore[assignment]
-    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
-    dropout: float = 0.0
-
-
-@dataclass
-class VAEModelConfig:
-    """MLP encoder to a Gaussian latent, MLP decoder to one logit per pixel."""
-
-    _target_: str = "framework.components.models.VAE"
-    in_channels: int = "${data.in_channels}"  # type: ignore[assignment]
-    image_size: int = "${data.image_size}"  # type: ignore[assignment]
-    latent_dim: int = 8
-    hidden_size: int = 256
-    sample: bool = True  # false: the latent is its mean (deterministic, for parity tests)
-
-
-@dataclass
-class GPTConfig:
-    """A nanoGPT-style decoder-only transformer over data.vocab_size tokens."""
-
-    _target_: str = "framework.components.models.GPT"
-    vocab_size: int = "${data.vocab_size}"  # type: ignore[assignment]
-    block_size: int = "${data.block_size}"  # type: ignore[assignment]
-    layers: int = 4
-    heads: int = 4
-    width: int = 128
-    dropout: float = 0.0
+class ModelConfig:
+    _target_: str = MISSING  # an nn.Module class, or a function that returns one
 
 
 # --- data -----------------------------------------------------------------------------------
@@ -190,73 +115,14 @@ class DataConfig:
     # Batches samples that torch's default_collate cannot: {_target_: ...} naming a callable
     # (or a class, with _partial_ for arguments), e.g. framework.components.data.PadSequences.
     collate_fn: Any = None
-    in_channels: int = 3
-    image_size: int = 32
-    num_classes: int = 10
-
-
-@dataclass
-class DigitsConfig(DataConfig):
-    """scikit-learn's bundled digits: 1,797 real 8x8 grey images, 10 classes. No download."""
-
-    _target_: str = "framework.components.data.digits"
-    in_channels: int = 1
-    image_size: int = 8
-    val_fraction: float = 0.2  # held-out share (360 images)
-    test_fraction: float = 0.0  # a further held-out test split (0: none)
-    split_seed: int = 0
-    normalize: bool = True  # pixels in [-1, 1]; false: [0, 1] (for task.reconstruction=bce)
-
-
-@dataclass
-class DiabetesConfig(DataConfig):
-    """scikit-learn's bundled diabetes: 442 patients, 10 features, a real-valued target."""
-
-    _target_: str = "framework.components.data.diabetes"
-    batch_size: int = setting(16, eval_may_differ=True)
-    num_features: int = 10
-    num_outputs: int = 1
-    val_fraction: float = 0.2  # held-out share (88 patients)
-    test_fraction: float = 0.0  # a further held-out test split (0: none)
-    split_seed: int = 0
-
-
-@dataclass
-class TextConfig(DataConfig):
-    """English text shipped with Python (pydoc_data.topics), one token per ASCII character."""
-
-    _target_: str = "framework.components.data.text"
-    batch_size: int = setting(16, eval_may_differ=True)
-    eval_batch_size: int = setting(64, resumable=True, eval_may_differ=True)
-    block_size: int = 128  # tokens of context per sequence
-    stride: int = 128  # training windows start every `stride` tokens
-    val_fraction: float = 0.1  # the last 10% of the text
-    vocab_size: int = 128
-
-
-@dataclass
-class SyntheticConfig(DataConfig):
-    """Random CIFAR-shaped tensors with learnable labels; sized by config, for throughput."""
-
-    _target_: str = "framework.components.data.synthetic"
-    train_size: int = 2048
-    val_size: int = 512
-    seed: int = 0
-
-
-@dataclass
-class Cifar10Config(DataConfig):
-    """CIFAR-10 from a local folder in torchvision's format (data.root)."""
-
-    _target_: str = "framework.components.data.cifar10"
-    batch_size: int = setting(128, eval_may_differ=True)
-    eval_batch_size: int = setting(512, resumable=True, eval_may_differ=True)
-    num_workers: int = setting(2, resumable=True, eval_may_differ=True)
-    # .../cifar-10-batches-py, or its parent folder
-    root: str | None = setting(None, resumable=True, eval_may_differ=True)
-    # fetch it (needs internet access)
-    download: bool = setting(False, resumable=True, eval_may_differ=True)
-    augment: bool = True  # random crop + horizontal flip on the training split
+    # The data's shape, which the models read by interpolation (model.num_classes:
+    # ${data.num_classes}); each data option sets those it has.
+    in_channels: int | None = None
+    image_size: int | None = None
+    num_classes: int | None = None
+    num_features: int | None = None
+    num_outputs: int | None = None
+    vocab_size: int | None = None
 
 
 # --- optimisation ---------------------------------------------------------------------------
@@ -268,9 +134,9 @@ class LrScaling(StrEnum):
 
 @dataclass
 class OptimizerConfig:
-    _target_: str = MISSING
+    _target_: str = MISSING  # a torch.optim.Optimizer class; the runner gives it the parameters
     _partial_: bool = True
-    lr: float = 0.1
+    lr: float = MISSING  # each option's own
     weight_decay: float = 0.0
     # lr is given for reference_batch_size; scale it to the actual global batch.
     lr_scaling: LrScaling = LrScaling.none
@@ -282,185 +148,26 @@ class OptimizerConfig:
 
 
 @dataclass
-class SGDConfig(OptimizerConfig):
-    _target_: str = "torch.optim.SGD"
-    weight_decay: float = 5e-4
-    momentum: float = 0.9
-    nesterov: bool = False
-    # torch's fused kernel: one kernel per step, and a non-finite step is dropped on the device
-    # (trainer.on_nonfinite=skip, amp's GradScaler) without reading it on the host.
-    fused: bool = True
-
-
-@dataclass
-class AdamWConfig(OptimizerConfig):
-    _target_: str = "torch.optim.AdamW"
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    no_weight_decay: bool = True  # decoupled decay is meant for weight matrices
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    fused: bool = True  # as SGDConfig.fused
-
-
-@dataclass
 class SchedulerConfig:
-    _target_: str = MISSING
+    _target_: str = MISSING  # called with optimizer= and total_steps=: returns an LRScheduler
     _partial_: bool = True
 
 
-@dataclass
-class ConstantSchedulerConfig(SchedulerConfig):
-    _target_: str = "framework.components.schedulers.constant"
-
-
-@dataclass
-class CosineSchedulerConfig(SchedulerConfig):
-    """Linear warmup for warmup_steps, then cosine decay to min_lr_ratio * lr at the end."""
-
-    _target_: str = "framework.components.schedulers.cosine_with_warmup"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-
-
-@dataclass
-class StepSchedulerConfig(SchedulerConfig):
-    """Multiply the lr by gamma every step_size optimizer steps."""
-
-    _target_: str = "framework.components.schedulers.step"
-    step_size: int = 100
-    gamma: float = 0.1
-
-
-# --- precision and communication (built with the device / the rank's DistEnv) ---------------
 @dataclass
 class PrecisionConfig:
-    """fp32: plain float32."""
-
-    _target_: str = "framework.components.precision.Precision"
+    _target_: str = MISSING  # a framework.components.precision.Precision, given device=
     _partial_: bool = True
-
-
-@dataclass
-class BF16Config(PrecisionConfig):
-    """Autocast to bfloat16 (fp32's exponent range: no loss scaling). Runs on CPU and CUDA."""
-
-    _target_: str = "framework.components.precision.BF16"
-
-
-@dataclass
-class AmpConfig(PrecisionConfig):
-    """float16 autocast + GradScaler (dynamic loss scaling)."""
-
-    _target_: str = "framework.components.precision.AMP"
-    init_scale: float = 65536.0
-    growth_factor: float = 2.0  # scale *= this after growth_interval clean steps
-    backoff_factor: float = 0.5  # scale *= this after a step with inf/NaN gradients
-    growth_interval: int = 2000
 
 
 @dataclass
 class CommConfig:
-    """DDP's built-in bucketed allreduce of fp32 gradients."""
-
-    _target_: str = "framework.components.comm.Comm"
+    _target_: str = MISSING  # a framework.components.comm.Comm (a DDP comm hook), given env=
     _partial_: bool = True
 
 
 @dataclass
-class FP16CommConfig(CommConfig):
-    """Gradients cast to float16 for the allreduce (half the bytes), cast back after."""
-
-    _target_: str = "framework.components.comm.CompressedAllreduce"
-    wire: WireDtype = WireDtype.fp16
-
-
-@dataclass
-class BF16CommConfig(FP16CommConfig):
-    """Gradients cast to bfloat16 for the allreduce (half the bytes), cast back after."""
-
-    wire: WireDtype = WireDtype.bf16
-
-
-@dataclass
-class PowerSGDConfig(CommConfig):
-    """PowerSGD low-rank gradient compression (gloo-safe: framework/components/comm.py)."""
-
-    _target_: str = "framework.components.comm.PowerSGD"
-    rank: int = 2  # matrix_approximation_rank: higher = more accurate, more bytes
-    start_iter: int = 10  # plain allreduce for this many steps first (torch's default: 1000)
-    min_compression_rate: float = 2.0  # compress a matrix only if it shrinks by this much
-    error_feedback: bool = True  # carry each rank's compression error into its next step
-    warm_start: bool = True  # reuse last step's Q instead of a fresh random one
-    orthogonalization_epsilon: float = 0.0  # > 0: Gram-Schmidt with this epsilon; 0: QR
-    compress: WireDtype | None = None  # wire dtype of the uncompressed part (null: fp32)
-    seed: int = 0  # random projections, identical on every rank
-
-
-# --- strategy: how the model is spread over the ranks (framework/components/strategy.py) ----
-@dataclass
 class StrategyConfig:
-    """DDP: every rank holds the whole model and optimizer; gradients are all-reduced (with
-    comm=<option>'s hook and dist.ddp.*)."""
-
-    _target_: str = "framework.components.strategy.DDP"
-
-
-@dataclass
-class FSDPConfig(StrategyConfig):
-    """FSDP2 (torch.distributed.fsdp.fully_shard): parameters, gradients and optimizer state
-    sharded over the ranks of a 1-D mesh (a 2-D (replicate, shard) mesh is HSDP, not built yet)."""
-
-    _target_: str = "framework.components.strategy.FSDP"
-    # Module classes sharded one by one (class names, or module.ClassName), then the root.
-    # null: the model's own blocks (GPT: TransformerBlock; ResNets: BasicBlock, Bottleneck;
-    # others: only the root, one unit).
-    block_classes: list[str] | None = None
-    # true: free each unit's gathered parameters after its forward, gather again for backward
-    # (less memory); false: keep them to the backward (one all-gather less per unit).
-    reshard_after_forward: bool = True
-
-
-# --- tasks (framework/components/tasks/) ----------------------------------------------------
-@dataclass
-class TaskConfig:
-    _target_: str = MISSING  # a framework.components.tasks.Task subclass
-
-
-@dataclass
-class ClassificationConfig(TaskConfig):
-    """Cross-entropy over class logits; val/accuracy, val/loss."""
-
-    _target_: str = "framework.components.tasks.Classification"
-    label_smoothing: float = 0.0  # training loss only; val/loss is the plain cross-entropy
-    ignore_index: int | None = None  # a label to skip (per-pixel labels with a void class)
-
-
-@dataclass
-class RegressionConfig(TaskConfig):
-    """Squared error; val/r2, val/mse, val/mae."""
-
-    _target_: str = "framework.components.tasks.Regression"
-
-
-@dataclass
-class LanguageModelConfig(TaskConfig):
-    """Next-token cross-entropy per token; val/loss, val/perplexity, val/bits_per_char."""
-
-    _target_: str = "framework.components.tasks.LanguageModel"
-    ignore_index: int = -100  # target value of padding: no loss, not counted
-    chars_per_token: float = 1.0  # for bits_per_char (1: one token per character)
-    sample_tokens: int = 300  # text generated into samples.txt at the end (0: none)
-
-
-@dataclass
-class AutoencoderConfig(TaskConfig):
-    """Reconstruct the inputs; vae=true adds the KL term and reports val/elbo."""
-
-    _target_: str = "framework.components.tasks.Autoencoder"
-    vae: bool = False
-    reconstruction: Reconstruction = Reconstruction.mse
-    kl_weight: float = 1.0  # beta of a beta-VAE (1: the ELBO)
+    _target_: str = MISSING  # framework.components.strategy.DDP or FSDP
 
 
 # --- launch, logging, trainer ---------------------------------------------------------------
@@ -550,46 +257,6 @@ class LoggerConfig:
 
     _target_: str = MISSING  # a framework.components.loggers sink (or one of yours)
     _partial_: bool = True
-
-
-@dataclass
-class WandbLoggerConfig(LoggerConfig):
-    """Weights & Biases, from rank 0 only; files under $WANDB_DIR when set, else the run dir."""
-
-    _target_: str = "framework.components.loggers.WandbSink"
-    project: str = "framework"
-    entity: str | None = None
-    group: str | None = None  # null: in a sweep, the sweep dir (one group per sweep)
-    run_name: str | None = None  # null: the run dir's name (in a sweep: job number + overrides)
-    tags: list[str] = field(default_factory=list)
-    # auto: online when credentials exist (WANDB_API_KEY or `wandb login`), else offline
-    # (then `wandb sync <run_dir>/wandb/offline-run-*` uploads later).
-    mode: WandbMode = WandbMode.auto
-
-
-@dataclass
-class TensorBoardLoggerConfig(LoggerConfig):
-    """TensorBoard event files in <run dir>/tensorboard."""
-
-    _target_: str = "framework.components.loggers.TensorBoardSink"
-
-
-@dataclass
-class CsvLoggerConfig(LoggerConfig):
-    """<run dir>/metrics.csv: one row per event, one column per metric."""
-
-    _target_: str = "framework.components.loggers.CsvSink"
-    filename: str = "metrics.csv"
-
-
-@dataclass
-class MLflowLoggerConfig(LoggerConfig):
-    """An MLflow run in a tracking store: params, metrics by step, artifacts."""
-
-    _target_: str = "framework.components.loggers.MLflowSink"
-    tracking_uri: str | None = None  # null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here
-    experiment: str = "framework"
-    run_name: str | None = None  # null: the run dir's name
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Rules that span keys, checked before the run dir exists. Each raises ConfigError naming the
 setting and the fix.
 
-Rules for one option's own knobs (PowerSGD's rank, AMP's scaler) are registered per schema
-class in CHECKS and found from the composed node's type, so a user's option that extends a
-shipped schema is checked like it.
+Rules for one option's own knobs (PowerSGD's rank, AMP's scaler) are registered in CHECKS by
+the callable the option names (`_target_`; a launcher by its schema), so a user's option that
+names the same callable is checked like the shipped one.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schemas as s
 from framework.config.option_keys import check_target_keys
-from framework.config.registry import SCHEMAS, shipped_targets
+from framework.config.registry import shipped_choice, shipped_targets
 from framework.core import launch_context
 from framework.core.allowlist import check_targets
 from framework.core.exits import ConfigError
@@ -39,8 +39,15 @@ GROUPS = (
     "strategy",
     "launcher",
 )
+# The shipped callables some rules name.
+ALLREDUCE = "framework.components.comm.Comm"
+AMP = "framework.components.precision.AMP"
+FSDP = "framework.components.strategy.FSDP"
 # Loggers whose library is an optional dependency (the `loggers` dependency group).
-LOGGER_PACKAGES = {s.TensorBoardLoggerConfig: "tensorboard", s.MLflowLoggerConfig: "mlflow"}
+LOGGER_PACKAGES = {
+    "framework.components.loggers.TensorBoardSink": "tensorboard",
+    "framework.components.loggers.MLflowSink": "mlflow",
+}
 
 
 def require(condition: bool, message: str) -> None:
@@ -83,7 +90,7 @@ def validate(cfg: DictConfig) -> None:
         require(multiplier > 0, f"optimizer.lr_multipliers.{pattern}={multiplier} must be > 0")
     require(cfg.dist.timeout_s > 0, f"dist.timeout_s={cfg.dist.timeout_s} must be > 0")
     for group in GROUPS:
-        for check in checks_for(OmegaConf.get_type(cfg[group])):
+        for check in checks_for(cfg[group]):
             check(cfg[group], cfg)
     for name, logger in cfg.logger.items():
         _check_logger(str(name), logger, cfg)
@@ -225,7 +232,7 @@ def sharded_checkpoints(cfg: DictConfig) -> bool:
     """checkpoint.format resolved: auto is sharded under strategy=fsdp."""
     chosen = cfg.checkpoint.format
     if chosen == s.CheckpointFormat.auto:
-        return cfg.strategy._target_ == s.FSDPConfig._target_
+        return cfg.strategy._target_ == FSDP
     return chosen == s.CheckpointFormat.sharded
 
 
@@ -400,14 +407,13 @@ def _check_powersgd(comm: DictConfig, cfg: DictConfig) -> None:
 def _check_fsdp(strategy: DictConfig, cfg: DictConfig) -> None:
     """What FSDP's sharded gradients rule out: DDP's comm hooks, and a GradScaler that reads
     whole gradients on each rank."""
-    comm = OmegaConf.get_type(cfg.comm)
     require(
-        comm is s.CommConfig,
-        f"comm={_option_name(comm)} is a DDP comm hook and strategy=fsdp reduce-scatters "
-        "gradients itself: use comm=allreduce with strategy=fsdp, or strategy=ddp",
+        cfg.comm._target_ == ALLREDUCE,
+        f"comm={shipped_choice('comm', cfg.comm)} is a DDP comm hook and strategy=fsdp "
+        "reduce-scatters gradients itself: use comm=allreduce with strategy=fsdp, or strategy=ddp",
     )
     require(
-        not issubclass(OmegaConf.get_type(cfg.precision) or object, s.AmpConfig),
+        cfg.precision._target_ != AMP,
         "precision=amp's GradScaler needs whole gradients on every rank and strategy=fsdp shards "
         "them: use precision=bf16 (or fp32) with strategy=fsdp, or strategy=ddp",
     )
@@ -417,12 +423,6 @@ def _check_fsdp(strategy: DictConfig, cfg: DictConfig) -> None:
             f"strategy.block_classes: {name!r} is not a class name: give names such as "
             "TransformerBlock or torch.nn.Linear",
         )
-
-
-def _option_name(schema: type | None) -> str:
-    """The shipped option a comm schema is (its name in conf/comm), else the schema's name."""
-    names = {kind: name for name, kind in SCHEMAS["comm"].items()}
-    return names.get(schema, getattr(schema, "__name__", "?"))
 
 
 def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
@@ -491,33 +491,37 @@ def _check_logger(name: str, logger: DictConfig, cfg: DictConfig) -> None:
         isinstance(logger, DictConfig) and "_target_" in logger,
         f"logger.{name} is not a logger: pick loggers by name, logger=[wandb,csv,...]",
     )
-    schema = OmegaConf.get_type(logger)
-    package = LOGGER_PACKAGES.get(schema)
+    package = LOGGER_PACKAGES.get(logger._target_)
     require(
         package is None or importlib.util.find_spec(package) is not None,
         f"logger={name} needs the {package} package, which is not installed: "
         "uv sync --group loggers (uv run pytest installs it with the dev group)",
     )
-    for check in checks_for(schema):
+    for check in checks_for(logger):
         check(logger, cfg)
 
 
 Check = Callable[[DictConfig, DictConfig], None]  # (the group's node, the whole config)
-CHECKS: dict[type, Check] = {
+CHECKS: dict[str | type, Check] = {
     s.LocalLauncherConfig: _check_local,
     s.TorchrunLauncherConfig: _check_torchrun,
     s.SubmititLauncherConfig: _check_submitit,
-    s.AmpConfig: _check_amp,
-    s.PowerSGDConfig: _check_powersgd,
-    s.FSDPConfig: _check_fsdp,
-    s.Cifar10Config: _check_cifar10,
-    s.AutoencoderConfig: _check_autoencoder,
-    s.ClassificationConfig: _check_classification,
-    s.CsvLoggerConfig: _check_csv_logger,
-    s.MLflowLoggerConfig: _check_mlflow_logger,
+    AMP: _check_amp,
+    "framework.components.comm.PowerSGD": _check_powersgd,
+    FSDP: _check_fsdp,
+    "framework.components.data.cifar10": _check_cifar10,
+    "framework.components.tasks.Autoencoder": _check_autoencoder,
+    "framework.components.tasks.Classification": _check_classification,
+    "framework.components.loggers.CsvSink": _check_csv_logger,
+    "framework.components.loggers.MLflowSink": _check_mlflow_logger,
 }
 
 
-def checks_for(schema: type | None) -> list[Check]:
-    """The checks of a schema and of every schema it extends."""
+def checks_for(node: DictConfig) -> list[Check]:
+    """The checks of the callable an option names, or of a launcher's schema and the schemas
+    it extends."""
+    if "_target_" in node:
+        check = CHECKS.get(str(node._target_))
+        return [check] if check is not None else []
+    schema = OmegaConf.get_type(node)
     return [CHECKS[kind] for kind in getattr(schema, "__mro__", ()) if kind in CHECKS]

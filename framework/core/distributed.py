@@ -7,6 +7,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,16 +70,10 @@ def host_group(env: DistEnv, backend: str) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, ddp_cfg: Mapping) -> nn.Module:
+def wrap_ddp(model: nn.Module, device: torch.device, options: Mapping[str, Any]) -> nn.Module:
+    """`options`: DistributedDataParallel's keywords (dist.ddp.*)."""
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(
-        model,
-        device_ids=device_ids,
-        bucket_cap_mb=ddp_cfg["bucket_cap_mb"],
-        gradient_as_bucket_view=ddp_cfg["gradient_as_bucket_view"],
-        static_graph=ddp_cfg["static_graph"],
-        find_unused_parameters=ddp_cfg["find_unused_parameters"],
-    )
+    return DistributedDataParallel(model, device_ids=device_ids, **options)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

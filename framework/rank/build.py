@@ -36,7 +36,7 @@ from framework.components.utilization import (
     device_peak_tflops,
     micro_batch_flops,
 )
-from framework.config.schemas import DDPConfig, TrainerConfig
+from framework.config.schemas import TrainerConfig
 from framework.config.validation import resolve_monitor
 from framework.core import startup_clock
 from framework.core.distributed import host_group
@@ -80,8 +80,10 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
     total_steps = planned_steps(trainer, len(loaders.train) // trainer.grad_accum)
     log.info("Instantiating precision <%s>", cfg.precision._target_)
     precision = instantiate(cfg.precision)(device=device)
-    ddp: DDPConfig = OmegaConf.to_object(cfg.dist.ddp)  # type: ignore[assignment]
-    model = build_model(cfg.model, cfg.strategy, trainer, ddp, env, device, precision.param_dtype)
+    ddp_options = OmegaConf.to_container(cfg.dist.ddp)  # DistributedDataParallel's keywords
+    model = build_model(
+        cfg.model, cfg.strategy, trainer, ddp_options, env, device, precision.param_dtype
+    )
     # Read once: the pre-flight check and the FLOPs count run on the same first batch.
     train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
     check_task(task, model.module, train_batch, device)
@@ -136,7 +138,7 @@ def build_model(
     model_cfg: DictConfig,
     strategy_cfg: DictConfig,
     trainer: TrainerConfig,
-    ddp: DDPConfig,
+    ddp_options: Any,
     env: DistEnv,
     device: torch.device,
     param_dtype: torch.dtype | None = None,
@@ -158,7 +160,7 @@ def build_model(
     ema = EMA(module, trainer.ema_decay) if trainer.ema_decay is not None else None
     log.info("Instantiating strategy <%s>", strategy_cfg._target_)
     strategy = instantiate(strategy_cfg)
-    train = strategy.wrap(module, ema and ema.module, env, device, ddp, param_dtype=param_dtype)
+    train = strategy.wrap(module, ema and ema.module, env, device, ddp_options, param_dtype)
     return Model(train, module, ema, strategy)
 
 

@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from framework.components.comm import PowerSGD
 from framework.components.models import MLP, resnet18_cifar
 from framework.components.precision import AMP
-from framework.config.registry import SCHEMAS
+from framework.config.registry import option_values
 from framework.core.distributed import DistEnv  # (imports torch._dynamo before any process group)
-from tests.conftest import spawn_ranks
+from tests.conftest import make_cfg, spawn_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -38,10 +38,10 @@ def batch(rank: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_comm(options: dict, env: DistEnv):
-    """comm=<name> with these knobs, built as a rank builds it (by its schema's _target_)."""
+    """comm=<name> with these knobs, built as a rank builds it (the option's node composed)."""
     options = dict(options)
-    schema = OmegaConf.structured(SCHEMAS["comm"][options.pop("name")])
-    return instantiate(OmegaConf.merge(schema, options))(env=env)
+    node = make_cfg(f"comm={options.pop('name')}").comm
+    return instantiate(OmegaConf.merge(node, options))(env=env)
 
 
 def grads_with(comm_cfg: dict | None, rank: int, world_size: int, bucket_cap_mb: float = 25):
@@ -81,8 +81,8 @@ def test_powersgd_at_full_rank_reproduces_allreduce_across_several_buckets():
 def skipped_amp_step_leaves_powersgd_state_finite(rank, world_size):
     model = mlp()
     ddp = DDP(model, bucket_cap_mb=0.01)
-    precision = AMP(torch.device("cpu"), init_scale=1024.0)
-    comm = PowerSGD(env_of(rank, world_size), rank=2, start_iter=0)
+    precision = AMP(torch.device("cpu"), **option_values("precision", "amp", init_scale=1024.0))
+    comm = PowerSGD(env_of(rank, world_size), **option_values("comm", "powersgd", start_iter=0))
     comm.attach(ddp, model, grad_scale=precision.loss_scale)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -124,7 +124,7 @@ def restored_powersgd_continues_identically(rank, world_size):
     def make():
         model = mlp()
         ddp = DDP(model, bucket_cap_mb=0.01)
-        comm = PowerSGD(env_of(rank, world_size), rank=2, start_iter=1)
+        comm = PowerSGD(env_of(rank, world_size), **option_values("comm", "powersgd", start_iter=1))
         return model, ddp, comm, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def train(model, ddp, optimizer, steps, first):
@@ -174,7 +174,8 @@ def resnet18_accounting(rank, world_size, results):
     model = resnet18_cifar(in_channels=3, num_classes=10)
     ddp = DDP(model)  # default 25 MB buckets: several buckets
     for approximation_rank in (1, 2, 4):
-        comm = PowerSGD(env_of(rank, world_size), rank=approximation_rank, start_iter=1)
+        values = option_values("comm", "powersgd", rank=approximation_rank, start_iter=1)
+        comm = PowerSGD(env_of(rank, world_size), **values)
         ddp.register_comm_hook  # noqa: B018 (same DDP; a new hook needs a new DDP instance)
         ddp = DDP(model)
         comm.attach(ddp, model, grad_scale=lambda: None)

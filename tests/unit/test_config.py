@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from hydra.utils import get_object, instantiate
-from omegaconf import OmegaConf
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
 from framework.components.optim import build_optimizer, scaled_lr
 from framework.config import schemas, validate
-from framework.config.registry import SCHEMAS
+from framework.config.registry import GROUP_BASES
 from framework.config.resume_rules import must_match_in_eval, resumable_keys, training_settings
+from framework.config.signatures import signature_of
 from framework.config.validation import node_range
 from framework.core.exits import ConfigError
 from tests.conftest import CONF_DIR, make_cfg
@@ -114,9 +113,6 @@ def test_lr_scaling_against_the_reference_global_batch(scaling, expected):
         ("eval.split=train", "expected one of [val, test]"),
         ("trainer.on_nonfinite=ignore", "expected one of [stop, skip]"),
         ("trainer.stop_signals=[SIGTERM,SIGKILL]", "SIGKILL"),
-        ("task=autoencoder task.reconstruction=l1", "expected one of [mse, bce]"),
-        ("comm=powersgd comm.compress=fp8", "expected one of [fp16, bf16]"),
-        ("logger=wandb logger.wandb.mode=cloud", "expected one of [auto, online, offline"),
     ],
 )
 def test_composition_errors_name_the_key(override, expected):
@@ -174,6 +170,11 @@ def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
         (["+optimizer.momentun=0.5"], "did you mean optimizer.momentum?"),
         (["+data.batch_sise=8"], "did you mean data.batch_size?"),  # digits(**_) swallows it
         (["logger=csv", "+logger.csv.filname=x"], "did you mean logger.csv.filename?"),
+        # A setting with a fixed set of values is a Literal in its callable's signature.
+        (["task=autoencoder", "task.reconstruction=l1"], "not one of 'mse', 'bce'"),
+        (["comm=powersgd", "comm.compress=fp8"], "not one of 'fp16', 'bf16'"),
+        (["logger=wandb", "logger.wandb.mode=cloud"], "not one of 'auto', 'online', 'offline'"),
+        (["optimizer.momentum=abc"], "optimizer.momentum='abc' is not of type float"),
     ],
 )
 def test_cross_field_errors_name_the_setting(overrides, expected):
@@ -181,44 +182,55 @@ def test_cross_field_errors_name_the_setting(overrides, expected):
         validate(make_cfg(*overrides))
 
 
-# --- one source of defaults: the schemas in framework/config/schemas.py ----------------------
-def option_files() -> list[Path]:
-    return sorted(p for p in CONF_DIR.glob("*/*.yaml") if p.parent.name != "experiment")
+# --- an option is two places: its YAML file and its callable --------------------------------
+OPTION_GROUPS = ("task", "model", "data", "optimizer", "scheduler", "precision", "comm", "strategy")
 
 
-@pytest.mark.parametrize("path", option_files(), ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_option_files_only_pick_their_schema_and_hold_no_values(path):
-    """A value in an option's YAML would be a second default next to its schema's."""
-    content = OmegaConf.to_container(OmegaConf.load(path)) or {}
-    if path.stem != "none":  # logger=none: no logger, nothing to pick
-        assert content.pop("defaults")[0].startswith(f"/schema/{path.parent.name}/")
-    content.pop("hydra", None)  # Hydra's own node (launchers pass their keys on)
-    assert content == {}, f"{path} sets values: move them to its schema"
+def shipped_options() -> list[tuple[str, str]]:
+    return [(group, name) for group in OPTION_GROUPS for name in options(group)]
+
+
+def option_node(group: str, name: str) -> DictConfig:
+    return make_cfg(f"{group}={name}", *OVERRIDES_FOR.get((group, name), ()))[group]
+
+
+OVERRIDES_FOR = {("data", "cifar10"): ["data.root=/nonexistent"]}
+
+
+@pytest.mark.parametrize(("group", "name"), shipped_options(), ids="/".join)
+def test_a_shipped_option_shows_its_values_each_a_parameter_of_its_callable(group, name):
+    """What a user sees in conf/<group>/<name>.yaml is what runs: `_target_` and every value
+    of the option's own, each a keyword its callable names (not one swallowed by **kwargs)."""
+    content = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"))
+    assert content.pop("defaults") == [f"/schema/{group}/base@_here_", "_self_"]
+    target = content.pop("_target_")
+    signature = signature_of(target)
+    assert signature is not None, f"{target}'s signature is not readable from its source"
+    base = {field.name for field in dataclasses.fields(GROUP_BASES[group])}
+    own = set(content) - base
+    assert own <= set(signature.parameters), (
+        f"{target} does not name {own - set(signature.parameters)}"
+    )
+
+
+@pytest.mark.parametrize(("group", "name"), shipped_options(), ids="/".join)
+def test_our_callables_hold_no_second_default_for_what_their_option_sets(group, name):
+    """Each default once: in the option's YAML. Our own callable takes the value it is given."""
+    node = option_node(group, name)
+    if not node._target_.startswith("framework."):
+        return
+    signature = signature_of(node._target_)
+    doubled = [
+        key
+        for key in node
+        if key in signature.parameters and not signature.parameters[key].required
+    ]
+    assert not doubled, f"{node._target_} has its own default for {doubled}"
 
 
 def test_the_root_config_only_picks_options():
     content = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))
     assert sorted(content) == ["defaults", "hydra"]
-
-
-def schema_targets() -> list[tuple[type, str]]:
-    return [
-        (schema, schema._target_)
-        for options in SCHEMAS.values()
-        for schema in options.values()
-        if isinstance(getattr(schema, "_target_", None), str)
-        and schema._target_.startswith("framework.")
-    ]
-
-
-@pytest.mark.parametrize(("schema", "target"), schema_targets(), ids=lambda v: str(v)[-40:])
-def test_constructor_defaults_are_the_schemas(schema, target):
-    """A component's own default for a config key must be the schema's (so calling it
-    directly, as tests do, gives what `train` gives)."""
-    fields = {field.name: field for field in dataclasses.fields(schema)}
-    for name, parameter in inspect.signature(get_object(target)).parameters.items():
-        if name in fields and parameter.default is not inspect.Parameter.empty:
-            assert parameter.default == fields[name].default, f"{target}({name}=...)"
 
 
 def test_sgd_weight_decay_is_the_documented_default():

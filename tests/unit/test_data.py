@@ -18,6 +18,7 @@ from framework.components.data import (
     split_indices,
     synthetic,
 )
+from framework.config.registry import option_values
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -63,7 +64,7 @@ def test_on_the_same_world_size_the_resumed_shard_is_the_rest_of_the_uninterrupt
 
 
 def test_digits_is_the_real_bundled_dataset():
-    splits = digits(val_fraction=0.2)
+    splits = digits(**option_values("data", "digits"))
     assert len(splits.train) + len(splits.val) == 1797
     images, labels = splits.val.tensors
     assert images.shape[1:] == (1, 8, 8)
@@ -73,7 +74,7 @@ def test_digits_is_the_real_bundled_dataset():
 def test_digits_and_diabetes_equal_scikit_learns_loaders_without_importing_it():
     from sklearn.datasets import load_diabetes, load_digits
 
-    splits = digits(val_fraction=0.0, split_seed=0, normalize=False)
+    splits = digits(**option_values("data", "digits", val_fraction=0.0, normalize=False))
     ours = torch.cat([splits.train.tensors[0], splits.val.tensors[0]])
     labels = torch.cat([splits.train.tensors[1], splits.val.tensors[1]])
     order = split_indices(1797, 0.0, 0.0, 0)[0]  # the rows in the order the split put them
@@ -89,8 +90,8 @@ def test_digits_and_diabetes_equal_scikit_learns_loaders_without_importing_it():
 
 def test_synthetic_is_deterministic_and_sized_by_config():
     a, b = (
-        synthetic(train_size=16, val_size=5, seed=3),
-        synthetic(train_size=16, val_size=5, seed=3),
+        synthetic(**option_values("data", "synthetic", train_size=16, val_size=5, seed=3)),
+        synthetic(**option_values("data", "synthetic", train_size=16, val_size=5, seed=3)),
     )
     assert len(a.train) == 16 and len(a.val) == 5
     assert torch.equal(a.train.tensors[0], b.train.tensors[0])
@@ -124,7 +125,7 @@ def make_tiny_cifar(root) -> None:
 def test_cifar10_reads_a_local_folder_in_torchvision_format(tmp_path, point_at):
     make_tiny_cifar(tmp_path)
     root = tmp_path if point_at == "parent" else tmp_path / "cifar-10-batches-py"
-    splits = cifar10(root=str(root), augment=True)
+    splits = cifar10(**option_values("data", "cifar10", root=str(root), augment=True))
     assert len(splits.train) == 40 and len(splits.val) == 6
     image, label = splits.train[0]
     assert image.shape == (3, 32, 32) and 0 <= label < 10
@@ -146,5 +147,5 @@ def test_a_cifar_folder_holding_a_code_pickle_is_refused_unrun(tmp_path):
     with open(tmp_path / "cifar-10-batches-py" / "test_batch", "wb") as handle:
         pickle.dump({"data": _PlantsAFile(marker), "labels": [0]}, handle, protocol=2)
     with pytest.raises(pickle.UnpicklingError, match="is not CIFAR-10 data"):
-        cifar10(root=str(tmp_path))
+        cifar10(**option_values("data", "cifar10", root=str(tmp_path)))
     assert not marker.exists()

@@ -153,7 +153,7 @@ def test_a_users_logger_gets_the_config_and_resume_point_and_every_call(tmp_path
 
 # --- CSV ---------------------------------------------------------------------------------------
 def test_csv_has_a_column_per_key_and_rewrites_the_header_when_a_key_appears(tmp_path):
-    sink = CsvSink(RunDir(tmp_path), config={})
+    sink = CsvSink(RunDir(tmp_path), config={}, filename="metrics.csv")
     sink.log({"step": 1, "train/loss": 0.5})
     sink.log({"step": 2, "train/loss": 0.25})
     sink.log({"step": 2, "val/accuracy": 0.75})

@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from framework.components.precision import AMP, BF16, Precision
+from framework.config.registry import option_values
 from tests.conftest import make_cfg
 
 CPU = torch.device("cpu")
@@ -95,7 +96,7 @@ def test_fp32_and_bf16_state_is_the_skipped_step_count(kind):
 
 # --- amp ---------------------------------------------------------------------------------------
 def test_amp_scales_the_loss_for_backward():
-    amp = AMP(CPU, init_scale=1024.0)
+    amp = AMP(CPU, **option_values("precision", "amp", init_scale=1024.0))
     assert amp.loss_scale() is None  # until the first backward
     parameter, _ = sgd(0.0, 0.0)
     amp.backward(loss_with_gradient(parameter, 3.0, 4.0))
@@ -104,7 +105,7 @@ def test_amp_scales_the_loss_for_backward():
 
 
 def test_amp_unscales_the_gradients_before_clipping_them():
-    amp = AMP(CPU, init_scale=1024.0)
+    amp = AMP(CPU, **option_values("precision", "amp", init_scale=1024.0))
     parameter, optimizer = sgd(0.0, 0.0)
     amp.backward(loss_with_gradient(parameter, 3.0, 4.0))
     clipped_step(amp, optimizer, parameter, clip_grad_norm=1.0)
@@ -114,7 +115,12 @@ def test_amp_unscales_the_gradients_before_clipping_them():
 
 @pytest.mark.parametrize("bad", [INF, NAN])
 def test_amp_skips_a_step_with_a_non_finite_gradient_and_counts_it(bad):
-    amp = AMP(CPU, init_scale=1024.0, backoff_factor=0.25, growth_interval=1000)
+    amp = AMP(
+        CPU,
+        **option_values(
+            "precision", "amp", init_scale=1024.0, backoff_factor=0.25, growth_interval=1000
+        ),
+    )
     parameter, optimizer = sgd(1.0, 1.0, lr=0.5)
     amp.backward(loss_with_gradient(parameter, bad, 1.0))
     clipped_step(amp, optimizer, parameter, clip_grad_norm=1.0)
@@ -128,7 +134,12 @@ def test_amp_skips_a_step_with_a_non_finite_gradient_and_counts_it(bad):
 
 
 def test_amp_growing_the_scale_is_not_a_skipped_step():
-    amp = AMP(CPU, init_scale=1024.0, growth_factor=2.0, growth_interval=2)
+    amp = AMP(
+        CPU,
+        **option_values(
+            "precision", "amp", init_scale=1024.0, growth_factor=2.0, growth_interval=2
+        ),
+    )
     parameter, optimizer = sgd(0.0, 0.0)
     scales = []
     for _ in range(4):
@@ -142,7 +153,7 @@ def test_amp_growing_the_scale_is_not_a_skipped_step():
 
 
 def test_amp_state_survives_a_checkpoint_and_the_count_goes_on():
-    amp = AMP(CPU, init_scale=1024.0)
+    amp = AMP(CPU, **option_values("precision", "amp", init_scale=1024.0))
     parameter, optimizer = sgd(1.0, 1.0)
     amp.backward(loss_with_gradient(parameter, INF, 1.0))
     clipped_step(amp, optimizer, parameter, clip_grad_norm=None)
@@ -152,7 +163,9 @@ def test_amp_state_survives_a_checkpoint_and_the_count_goes_on():
     state = torch.load(buffer, weights_only=True)  # as checkpoints are read
     assert state["skipped_steps"] == 1 and state["scaler"]["scale"] == 512.0
 
-    restored = AMP(CPU)  # built from the config's init_scale, 65536
+    restored = AMP(
+        CPU, **option_values("precision", "amp")
+    )  # built from the config's init_scale, 65536
     restored.load_state_dict(state)
     assert restored.metrics() == {"precision/loss_scale": 512.0, "precision/skipped_steps": 1}
     optimizer.zero_grad()

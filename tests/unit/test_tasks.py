@@ -27,6 +27,7 @@ from framework.components.tasks import (
 )
 from framework.components.tasks.base import pack_states, unpack_states
 from framework.config import validate
+from framework.config.registry import option_values
 from framework.core.exits import ConfigError
 from tests.conftest import make_cfg
 
@@ -46,7 +47,9 @@ def test_classification_metrics_are_the_mean_cross_entropy_and_the_accuracy():
     images, labels = torch.randn(37, 1, 8, 8), torch.randint(0, 10, (37,))
     batches = [(images[:20], labels[:20]), (images[20:], labels[20:])]
     with torch.no_grad():
-        metrics = totals_over(Classification(), model, batches)
+        metrics = totals_over(
+            Classification(**option_values("task", "classification")), model, batches
+        )
         logits = model(images)
     assert metrics["loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-6)
     assert metrics["accuracy"] == pytest.approx((logits.argmax(1) == labels).float().mean().item())
@@ -54,7 +57,7 @@ def test_classification_metrics_are_the_mean_cross_entropy_and_the_accuracy():
 
 def test_regression_r2_and_mae_match_scikit_learn():
     torch.manual_seed(0)
-    model = FeedForward(in_features=3, out_features=1, hidden_sizes=[8]).eval()
+    model = FeedForward(in_features=3, out_features=1, hidden_sizes=[8], dropout=0.0).eval()
     features, targets = torch.randn(51, 3), torch.randn(51)
     batches = [(features[:17], targets[:17]), (features[17:], targets[17:])]
     with torch.no_grad():
@@ -83,9 +86,9 @@ def ragged_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def test_language_model_perplexity_and_bits_per_char_follow_the_per_token_loss():
     torch.manual_seed(0)
-    model = GPT(vocab_size=16, block_size=32, layers=1, heads=2, width=16).eval()
+    model = GPT(vocab_size=16, block_size=32, layers=1, heads=2, width=16, dropout=0.0).eval()
     batches = ragged_batches()
-    task = LanguageModel(chars_per_token=1.0)
+    task = LanguageModel(**option_values("task", "language_model"))
     with torch.no_grad():
         metrics = totals_over(task, model, batches)
         per_token = torch.cat(
@@ -105,8 +108,8 @@ def test_normalising_by_the_tokens_of_the_whole_step_gives_one_big_batchs_gradie
     """What the runner does under accumulation (and across ranks): each micro-batch's summed
     loss over the step's token count. The naive mean of per-micro-batch means differs."""
     torch.manual_seed(0)
-    model = GPT(vocab_size=16, block_size=32, layers=1, heads=2, width=16)
-    task = LanguageModel()
+    model = GPT(vocab_size=16, block_size=32, layers=1, heads=2, width=16, dropout=0.0)
+    task = LanguageModel(**option_values("task", "language_model"))
     small, large = ragged_batches()
     step_tokens = sum(int(task.count(batch)) for batch in (small, large))
 
@@ -127,7 +130,7 @@ def test_vae_elbo_is_minus_reconstruction_minus_kl_per_sample():
     torch.manual_seed(0)
     model = VAE(in_channels=1, image_size=8, latent_dim=4, hidden_size=16, sample=False).eval()
     images = torch.rand(9, 1, 8, 8)
-    task = Autoencoder(vae=True, reconstruction="bce")
+    task = Autoencoder(**option_values("task", "autoencoder", vae=True, reconstruction="bce"))
     with torch.no_grad():
         metrics = totals_over(task, model, [(images[:4],), (images[4:],)])
         logits, mu, logvar = model(images)
@@ -165,19 +168,19 @@ torch.manual_seed(0)
 images, labels = torch.randn(4, 1, 8, 8), torch.tensor([1, 2, 3, 4])
 MISFITS = [
     (
-        Classification(),
+        Classification(**option_values("task", "classification")),
         SmallCNN(1, 10, 4),
         (images, torch.rand(4)),
         ["task=classification", "not integer class labels", "task=regression"],
     ),
     (
-        Classification(),
+        Classification(**option_values("task", "classification")),
         SmallCNN(1, 1, 4),
         (images, labels * 0),
         ["at least 2 class logits", "task=regression"],
     ),
     (
-        Classification(),
+        Classification(**option_values("task", "classification")),
         SmallCNN(1, 3, 4),
         (images, labels),
         ["labels run from 1 to 4", "3 class logits", "data.num_classes"],
@@ -195,21 +198,26 @@ MISFITS = [
         ["returns [4, 10] for targets [4]", "task=classification"],
     ),
     (
-        LanguageModel(),
+        LanguageModel(**option_values("task", "language_model")),
         SmallCNN(1, 10, 4),
         (images, labels),
         ["task=language_model", "token ids", "data=text"],
     ),
     (
-        Autoencoder(vae=True),
+        Autoencoder(**option_values("task", "autoencoder", vae=True)),
         SmallCNN(1, 10, 4),
         (images, labels),
         ["task.vae=true", "(reconstruction, mu, logvar)", "model=vae"],
     ),
-    (Autoencoder(vae=False), VAE(1, 8, 2, 8), (images,), ["task.vae=true"]),
     (
-        Autoencoder(vae=True, reconstruction="bce"),
-        VAE(1, 8, 2, 8),
+        Autoencoder(**option_values("task", "autoencoder")),
+        VAE(1, 8, 2, 8, sample=True),
+        (images,),
+        ["task.vae=true"],
+    ),
+    (
+        Autoencoder(**option_values("task", "autoencoder", vae=True, reconstruction="bce")),
+        VAE(1, 8, 2, 8, sample=True),
         (images,),
         ["inputs in [0, 1]", "data.normalize=false"],
     ),
@@ -414,7 +422,9 @@ class SoftmaxCNN(nn.Module):
 def test_probabilities_fed_to_a_logits_loss_are_refused():
     softmax = r"a final softmax\?\), but cross-entropy takes logits"
     with pytest.raises(ConfigError, match=softmax), torch.no_grad():
-        Classification().check(SoftmaxCNN().eval(), (images, labels))
+        Classification(**option_values("task", "classification")).check(
+            SoftmaxCNN().eval(), (images, labels)
+        )
     with pytest.raises(ConfigError, match=r"a final sigmoid\?\), but bce takes logits"):
         require_logits("multilabel", torch.rand(8, 5), "bce")
     require_logits("multilabel", torch.randn(8, 5), "bce")  # logits pass

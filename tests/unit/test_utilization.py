@@ -17,6 +17,7 @@ from framework.components.utilization import (
     peak_memory_mib,
     table_peak_tflops,
 )
+from framework.config.registry import option_values
 from tests.faults import HostReadingMLP
 
 CPU = torch.device("cpu")
@@ -40,7 +41,7 @@ def batch(size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
 
 def count(model_class: type, hidden: list[int]) -> tuple[int | None, str]:
     return micro_batch_flops(
-        Classification(),
+        Classification(**option_values("task", "classification")),
         lambda: model_class(in_channels=1, image_size=8, num_classes=10, hidden_sizes=hidden),
         batch(),
         CPU,
@@ -67,8 +68,8 @@ def test_gpt_flops_are_six_per_parameter_and_token_plus_attention():
     forward and twice that backward per layer, the causal mask's zeros included."""
     layers, width, vocab, batch_size, tokens = 2, 32, 50, 3, 16
     flops, where = micro_batch_flops(
-        LanguageModel(),
-        lambda: GPT(vocab, block_size=tokens, layers=layers, heads=4, width=width),
+        LanguageModel(**option_values("task", "language_model")),
+        lambda: GPT(vocab, block_size=tokens, layers=layers, heads=4, width=width, dropout=0.0),
         (
             torch.randint(0, vocab, (batch_size, tokens)),
             torch.randint(0, vocab, (batch_size, tokens)),

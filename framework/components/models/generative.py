@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.config.schemas import FeedForwardConfig, GPTConfig, VAEModelConfig
-
 
 class FeedForward(nn.Module):
     """Linear-GELU blocks from `in_features` to `out_features` (tabular regression or
@@ -21,7 +19,7 @@ class FeedForward(nn.Module):
         in_features: int,
         out_features: int,
         hidden_sizes: list[int],
-        dropout: float = FeedForwardConfig.dropout,
+        dropout: float,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
@@ -48,9 +46,9 @@ class VAE(nn.Module):
         self,
         in_channels: int,
         image_size: int,
-        latent_dim: int = VAEModelConfig.latent_dim,
-        hidden_size: int = VAEModelConfig.hidden_size,
-        sample: bool = VAEModelConfig.sample,
+        latent_dim: int,
+        hidden_size: int,
+        sample: bool,
     ) -> None:
         super().__init__()
         self.shape = (in_channels, image_size, image_size)
@@ -116,11 +114,11 @@ class GPT(nn.Module):
     def __init__(
         self,
         vocab_size: int,
-        block_size: int = GPTConfig.block_size,
-        layers: int = GPTConfig.layers,
-        heads: int = GPTConfig.heads,
-        width: int = GPTConfig.width,
-        dropout: float = GPTConfig.dropout,
+        block_size: int,
+        layers: int,
+        heads: int,
+        width: int,
+        dropout: float,
     ) -> None:
         super().__init__()
         self.block_size = block_size

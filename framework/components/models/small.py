@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from framework.config.schemas import CNNConfig
-
 
 class MLP(nn.Module):
     """Flatten, then Linear-ReLU blocks. No BatchNorm or dropout: exact DDP parity tests."""
@@ -32,7 +30,7 @@ class MLP(nn.Module):
 class SmallCNN(nn.Module):
     """Three 3x3 conv layers and global pooling: works on 8x8 digits and 32x32 CIFAR alike."""
 
-    def __init__(self, in_channels: int, num_classes: int, width: int = CNNConfig.width) -> None:
+    def __init__(self, in_channels: int, num_classes: int, width: int) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1),

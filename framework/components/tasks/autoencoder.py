@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from framework.components.tasks.base import Count, Task, TaskLoss, batch_shapes, mean, pick
-from framework.config.schemas import AutoencoderConfig as Defaults
 from framework.core.exits import ConfigError
 
 
@@ -28,9 +27,9 @@ class Autoencoder(Task):
 
     def __init__(
         self,
-        vae: bool = Defaults.vae,
-        reconstruction: str = Defaults.reconstruction,
-        kl_weight: float = Defaults.kl_weight,
+        vae: bool,
+        reconstruction: Literal["mse", "bce"],
+        kl_weight: float,
     ) -> None:
         self.vae, self.reconstruction, self.kl_weight = vae, reconstruction, kl_weight
         if vae:

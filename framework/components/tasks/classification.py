@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick, require_logits
-from framework.config.schemas import ClassificationConfig as Defaults
 from framework.core.exits import ConfigError
 
 
@@ -25,8 +24,8 @@ class Classification(Task):
 
     def __init__(
         self,
-        label_smoothing: float = Defaults.label_smoothing,
-        ignore_index: int | None = Defaults.ignore_index,
+        label_smoothing: float,
+        ignore_index: int | None,
     ) -> None:
         self.label_smoothing = label_smoothing
         self.ignore_index = ignore_index

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick
-from framework.config.schemas import LanguageModelConfig as Defaults
 from framework.core.exits import ConfigError
 
 
@@ -29,9 +28,9 @@ class LanguageModel(Task):
 
     def __init__(
         self,
-        ignore_index: int = Defaults.ignore_index,
-        chars_per_token: float = Defaults.chars_per_token,
-        sample_tokens: int = Defaults.sample_tokens,
+        ignore_index: int,
+        chars_per_token: float,
+        sample_tokens: int,
     ) -> None:
         self.ignore_index = ignore_index
         self.chars_per_token = chars_per_token
