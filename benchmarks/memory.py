@@ -109,7 +109,7 @@ def measured_train(trial: Trial, ctx: TrialContext) -> dict[str, Any] | None:
                 captured.update(state_bytes(runner.model.module, optimizer))
             zero_grad(set_to_none=set_to_none)
 
-        optimizer.zero_grad = measure_then_zero  # type: ignore[method-assign]
+        optimizer.zero_grad = measure_then_zero
         try:
             return original(runner, step, totals)
         finally:

@@ -20,7 +20,7 @@ import sys
 import time
 
 import torch
-import torch._dynamo  # noqa: F401  (as in plain_torchrun.py: DDP imports it anyway)
+import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn

@@ -14,7 +14,7 @@ import torch
 # DDP's constructor imports torch._dynamo anyway. Imported there, after gloo's threads have
 # started, rank 1 aborted at exit ("terminate called without an active exception") in plain
 # PyTorch 2.13 too, so the baseline imports it first, as framework/rank/build.py does.
-import torch._dynamo  # noqa: F401
+import torch._dynamo
 import torch.distributed as dist
 import torch.nn.functional as F
 from plain_loop_torchrun import SmallCNN  # beside this script: the same layers

@@ -210,7 +210,7 @@ def spawn_ranks(fn, *args, world_size: int = 2) -> None:
 
 def _rank_entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     import torch
-    import torch._dynamo  # noqa: F401  (before any process group, as framework.rank.main does it)
+    import torch._dynamo
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)

@@ -42,7 +42,7 @@ def check_composed_hydra_node(argv: list[str]) -> None:
         check_hydra_node(hydra_node, trusted_prefixes(cfg))
 
 
-def _search_path(args: argparse.Namespace):  # noqa: ANN202  (Hydra's ConfigSearchPathImpl)
+def _search_path(args: argparse.Namespace):
     config_path = args.config_path if args.config_path is not None else str(CONF_DIR)
     search_path = create_automatic_config_search_path(str(APP_FILE), None, config_path)
     if args.config_dir is not None:
@@ -61,7 +61,7 @@ def _compositions(loader: ConfigLoaderImpl, args: argparse.Namespace) -> Iterato
     mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
     try:
         master = loader.load_configuration(name, list(args.overrides), run_mode=mode)
-    except Exception:  # Hydra will refuse the same composition before calling anything
+    except Exception:  # noqa: BLE001 (Hydra will refuse the same composition before calling anything)
         return
     yield master
     if mode is RunMode.RUN:
@@ -73,7 +73,7 @@ def _compositions(loader: ConfigLoaderImpl, args: argparse.Namespace) -> Iterato
             job = [f"{k}={v}" for k, v in {**first, key: value}.items()]
             try:
                 yield loader.load_sweep_config(master, job)
-            except Exception:  # this job fails in Hydra too, before its logging is set up
+            except Exception:  # noqa: BLE001 (this job fails in Hydra too, before its logging is set up)
                 continue
 
 
@@ -88,7 +88,7 @@ def _sweep_values(master: DictConfig, overrides: list[str]) -> dict[str, list[st
             continue
         try:
             values = [str(value) for value in override.sweep_string_iterator()]
-        except Exception:  # an interval or a glob: numbers or names, no file of their own
+        except Exception:  # noqa: BLE001 (an interval or a glob: numbers or names, no file of their own)
             continue
         swept[override.get_key_element()] = values
     return swept

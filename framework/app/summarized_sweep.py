@@ -13,9 +13,7 @@ class SummarizedSweep:
     """Mixed into a Hydra launcher (hydra_plugins/framework_launchers)."""
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        super().setup(  # type: ignore[misc]
-            hydra_context=hydra_context, task_function=task_function, config=config
-        )
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
         # Imported here: Hydra imports every launcher plugin at each start, and the summary's
         # run-dir reading imports the training stack.
         from framework.app.sweep_summary import SweepSummary
@@ -26,7 +24,7 @@ class SummarizedSweep:
         self.summary.add(num, [ret])
 
     def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
-        returns = list(super().launch(job_overrides, initial_job_idx))  # type: ignore[misc]
+        returns = list(super().launch(job_overrides, initial_job_idx))
         if initial_job_idx not in self.summary.rows:  # a launcher that reports no job as it ends
             self.summary.add(initial_job_idx, returns)
         return returns

@@ -210,75 +210,104 @@ class PowerSGD(Comm):
         scale = self.grad_scale()
         if scale is None and self.guard_nonfinite:
             scale = torch.ones((), device=grads[0].device)  # x1 and /1 are exact
-        guarded = scale is not None
         checks: list[torch.Tensor] = []  # small tensors in which any inf/NaN shows up
-
-        if self.error_feedback:
-            # Per parameter, not per bucket: DDP rebuilds buckets after the first step and a
-            # restarted job starts with other buckets. Updated in place: no big allocations.
-            errors = [self._error(name, grad) for name, grad in zip(names, grads, strict=True)]
-            if guarded:
-                befores = [self._scratch(name, g) for name, g in zip(names, grads, strict=True)]
-                torch._foreach_copy_(befores, errors)
-                torch._foreach_mul_(befores, scale)  # stored unscaled, applied at today's scale
-                torch._foreach_add_(grads, befores)
-            else:
-                torch._foreach_add_(grads, errors)
-                befores = errors  # the error buffers hold the pre-communication gradient
-            torch._foreach_copy_(befores, grads)
-
+        feedback = self._add_errors(names, grads, scale) if self.error_feedback else None
         if plan.uncompressed:
-            flat = torch.cat([grads[i].reshape(-1) for i in plan.uncompressed])
-            self._allreduce_mean(flat)
-            parts = flat.split([grads[i].numel() for i in plan.uncompressed])
-            for i, part in zip(plan.uncompressed, parts, strict=True):
-                grads[i].copy_(part.view_as(grads[i]))
-            checks.append(flat)
-
+            checks.append(self._reduce_uncompressed(grads, plan.uncompressed))
         if plan.compressed:
-            matrices = [_as_matrix(grads[i]) for i in plan.compressed]
-            compressed_names = [names[i] for i in plan.compressed]
-            p_shapes = [(m.shape[0], r) for m, r in zip(matrices, plan.ranks, strict=True)]
-            q_shapes = [(m.shape[1], r) for m, r in zip(matrices, plan.ranks, strict=True)]
-            q_flat = torch.cat(
-                [
-                    self._initial_q(name, shape, grads[0]).reshape(-1)
-                    for name, shape in zip(compressed_names, q_shapes, strict=True)
-                ]
-            )
-            start_q = q_flat.clone() if guarded and self.warm_start else None
-            p_flat = grads[0].new_empty(plan.p_numel)
-            ps, qs = _split(p_flat, p_shapes), _split(q_flat, q_shapes)
-            # P = M Q and Q = M^T P are written as (Q^T M^T)^T and (P^T M)^T: a BLAS product
-            # with 2..4 output columns ran 10x slower than one with 2..4 output rows on CPU
-            # (ResNet-18 at rank 2: 29 -> 15 ms a step for the three products).
-            for matrix, p, q in zip(matrices, ps, qs, strict=True):
-                p.copy_(torch.mm(q.t(), matrix.t()).t())
-            self._allreduce_sum(p_flat)  # inf/NaN in any rank's gradient reaches every P
-            checks.append(p_flat.clone())
-            for p in ps:
-                self._orthogonalize(p)
-            for matrix, p, q in zip(matrices, ps, qs, strict=True):
-                q.copy_(torch.mm(p.t(), matrix).t())
-            self._allreduce_sum(q_flat)
-            q_flat.div_(self.env.world_size)
-            for matrix, p, q in zip(matrices, ps, qs, strict=True):
-                torch.matmul(p, q.t(), out=matrix)
-            if self.warm_start:
-                kept = q_flat
-                if start_q is not None:
-                    kept = torch.where(_all_finite(checks), q_flat, start_q)
-                for name, q in zip(compressed_names, _split(kept, q_shapes), strict=True):
-                    self.q_memory[name] = q
+            self._reduce_compressed(names, grads, plan, scale is not None, checks)
+        if feedback is not None:
+            self._keep_errors(*feedback, grads, scale, checks)
 
-        if self.error_feedback:
-            if guarded:
-                finite = _all_finite(checks)  # on device: no host sync
-                for error, before, grad in zip(errors, befores, grads, strict=True):
-                    before.sub_(grad).div_(scale)
-                    torch.where(finite, before, error, out=error)  # a skipped step keeps it
-            else:
-                torch._foreach_sub_(errors, grads)  # pre-communication gradient - what was applied
+    def _add_errors(
+        self, names: list[str], grads: list[torch.Tensor], scale: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each rank's last compression error added to its gradients. Returns the error buffers
+        and the pre-communication gradients (the same buffers, unguarded)."""
+        # Per parameter, not per bucket: DDP rebuilds buckets after the first step and a
+        # restarted job starts with other buckets. Updated in place: no big allocations.
+        errors = [self._error(name, grad) for name, grad in zip(names, grads, strict=True)]
+        if scale is not None:
+            befores = [self._scratch(name, g) for name, g in zip(names, grads, strict=True)]
+            torch._foreach_copy_(befores, errors)
+            torch._foreach_mul_(befores, scale)  # stored unscaled, applied at today's scale
+            torch._foreach_add_(grads, befores)
+        else:
+            torch._foreach_add_(grads, errors)
+            befores = errors  # the error buffers hold the pre-communication gradient
+        torch._foreach_copy_(befores, grads)
+        return errors, befores
+
+    def _reduce_uncompressed(self, grads: list[torch.Tensor], which: list[int]) -> torch.Tensor:
+        """The parameters compression would not shrink, averaged as one flat tensor."""
+        flat = torch.cat([grads[i].reshape(-1) for i in which])
+        self._allreduce_mean(flat)
+        parts = flat.split([grads[i].numel() for i in which])
+        for i, part in zip(which, parts, strict=True):
+            grads[i].copy_(part.view_as(grads[i]))
+        return flat
+
+    def _reduce_compressed(
+        self,
+        names: list[str],
+        grads: list[torch.Tensor],
+        plan: _BucketPlan,
+        guarded: bool,
+        checks: list[torch.Tensor],
+    ) -> None:
+        """M ~ P Q^T for each matrix: P and Q all-reduced, the gradient replaced by P Q^T."""
+        matrices = [_as_matrix(grads[i]) for i in plan.compressed]
+        compressed_names = [names[i] for i in plan.compressed]
+        p_shapes = [(m.shape[0], r) for m, r in zip(matrices, plan.ranks, strict=True)]
+        q_shapes = [(m.shape[1], r) for m, r in zip(matrices, plan.ranks, strict=True)]
+        q_flat = torch.cat(
+            [
+                self._initial_q(name, shape, grads[0]).reshape(-1)
+                for name, shape in zip(compressed_names, q_shapes, strict=True)
+            ]
+        )
+        start_q = q_flat.clone() if guarded and self.warm_start else None
+        p_flat = grads[0].new_empty(plan.p_numel)
+        ps, qs = _split(p_flat, p_shapes), _split(q_flat, q_shapes)
+        # P = M Q and Q = M^T P are written as (Q^T M^T)^T and (P^T M)^T: a BLAS product
+        # with 2..4 output columns ran 10x slower than one with 2..4 output rows on CPU
+        # (ResNet-18 at rank 2: 29 -> 15 ms a step for the three products).
+        for matrix, p, q in zip(matrices, ps, qs, strict=True):
+            p.copy_(torch.mm(q.t(), matrix.t()).t())
+        self._allreduce_sum(p_flat)  # inf/NaN in any rank's gradient reaches every P
+        checks.append(p_flat.clone())
+        for p in ps:
+            self._orthogonalize(p)
+        for matrix, p, q in zip(matrices, ps, qs, strict=True):
+            q.copy_(torch.mm(p.t(), matrix).t())
+        self._allreduce_sum(q_flat)
+        q_flat.div_(self.env.world_size)
+        for matrix, p, q in zip(matrices, ps, qs, strict=True):
+            torch.matmul(p, q.t(), out=matrix)
+        if self.warm_start:
+            kept = q_flat
+            if start_q is not None:
+                kept = torch.where(_all_finite(checks), q_flat, start_q)
+            for name, q in zip(compressed_names, _split(kept, q_shapes), strict=True):
+                self.q_memory[name] = q
+
+    def _keep_errors(
+        self,
+        errors: list[torch.Tensor],
+        befores: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        scale: torch.Tensor | None,
+        checks: list[torch.Tensor],
+    ) -> None:
+        """The new errors: the pre-communication gradient minus what was applied (kept as it
+        was on a step whose gradients were not finite)."""
+        if scale is None:
+            torch._foreach_sub_(errors, grads)
+            return
+        finite = _all_finite(checks)  # on device: no host sync
+        for error, before, grad in zip(errors, befores, grads, strict=True):
+            before.sub_(grad).div_(scale)
+            torch.where(finite, before, error, out=error)  # a skipped step keeps it
 
     def _error(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         error = self.errors.get(name)

@@ -43,11 +43,11 @@ class Precision:
         if found_inf is None:
             optimizer.step()
             return
-        optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+        optimizer.grad_scale, optimizer.found_inf = None, found_inf
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+            del optimizer.grad_scale, optimizer.found_inf
 
     def loss_scale(self) -> torch.Tensor | None:
         """The factor gradients carry during backward (AMP), as a device tensor."""

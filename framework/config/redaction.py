@@ -209,7 +209,7 @@ class SecretFilter(logging.Filter):
             return True
         try:
             message = record.getMessage()
-        except Exception:  # a broken format string: logging reports it
+        except Exception:  # noqa: BLE001 (a broken format string: logging reports it)
             return True
         if redact(message, secrets) != message:
             record.msg, record.args = redact(message, secrets), None
@@ -258,5 +258,5 @@ def redact_multirun_master(cfg: DictConfig) -> None:
         with read_write(cfg), open_dict(cfg), read_write(cfg.get("hydra") or cfg):
             try:
                 OmegaConf.update(cfg, path, clean, merge=False)
-            except Exception:  # a typed number node cannot hold REDACTED
+            except Exception:  # noqa: BLE001 (a typed number node cannot hold REDACTED)
                 continue

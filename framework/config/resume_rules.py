@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from framework.config import schemas as s
@@ -27,7 +27,7 @@ def _flagged(schema: type, flag: str, prefix: str) -> Iterator[str]:
             yield from _flagged(item.default_factory, flag, f"{key}.")
 
 
-def _flagged_in_groups(flag: str, groups: Iterator[str] | tuple[str, ...]) -> Iterator[str]:
+def _flagged_in_groups(flag: str, groups: Iterable[str]) -> Iterator[str]:
     for group in groups:
         if group in GROUP_BASES:
             yield from _flagged(GROUP_BASES[group], flag, f"{group}.")

@@ -185,7 +185,8 @@ class LocalLauncherConfig(LauncherConfig):
     """Spawn nproc_per_node ranks on this machine from the process Hydra started."""
 
     name: str = "local"
-    nproc_per_node: int = "${default_ranks:}"  # type: ignore[assignment]  (one per GPU, else 2)
+    # One rank per visible GPU, else 2 (an interpolation OmegaConf resolves to an int).
+    nproc_per_node: int = "${default_ranks:}"  # type: ignore[assignment]
 
 
 @dataclass
@@ -193,7 +194,8 @@ class TorchrunLauncherConfig(LauncherConfig):
     """Workers started by torch.distributed's elastic agent (the engine behind `torchrun`)."""
 
     name: str = "torchrun"
-    nproc_per_node: int = "${default_ranks:}"  # type: ignore[assignment]  (one per GPU, else 2)
+    # One rank per visible GPU, else 2 (an interpolation OmegaConf resolves to an int).
+    nproc_per_node: int = "${default_ranks:}"  # type: ignore[assignment]
     # Nodes: N, or MIN:MAX (as torchrun's --nnodes) for an elastic job that goes on with the
     # nodes left after one is lost (needs max_restarts >= 1; docs/launchers.md). An int or a
     # string; node ranks are assigned by the rendezvous.

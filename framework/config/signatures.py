@@ -121,7 +121,7 @@ def _lookup(module: str, name: str, budget: int) -> Definition | None:
     """`name` as module `module` defines or re-exports it."""
     path = source_file(module)
     tree = parsed(path) if path is not None else None
-    if tree is None or budget <= 0:
+    if path is None or tree is None or budget <= 0:
         return None
     found: Definition | None = None
     for node in _top_level(tree.body):
@@ -194,8 +194,9 @@ def _member(found: Definition | None, name: str) -> Definition | None:
     if found is None or not isinstance(found.node, ast.ClassDef):
         return None
     for node in found.node.body:
-        defines = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
-        if defines and node.name == name:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and (
+            node.name == name
+        ):
             return Definition(found.module, found.path, node)
     return None
 

@@ -19,7 +19,7 @@ import sysconfig
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra._internal.utils import _locate, get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -87,7 +87,7 @@ def resolved_name(target: str) -> str | None:
     # for names inside an allowed family, so importing them is allowed to run their module code.
     try:
         obj = _locate(target)
-    except Exception:  # any import failure: nothing to judge
+    except Exception:  # noqa: BLE001 (any import failure: nothing to judge)
         return None
     if isinstance(obj, ModuleType):
         return obj.__name__
@@ -106,7 +106,7 @@ def _family_of(target: str) -> str | None:
 def _is_callable_object(target: str) -> bool:
     try:
         obj = _locate(target)
-    except Exception:  # not importable: instantiate fails on its own
+    except Exception:  # noqa: BLE001 (not importable: instantiate fails on its own)
         return True
     return callable(obj) and not isinstance(obj, ModuleType)
 
@@ -313,7 +313,7 @@ def iter_leaves(node: Any, path: str = "", skip: Iterable[str] = ()) -> Iterator
             continue
         try:
             child = node[key]
-        except Exception:  # OmegaConf raises several kinds here
+        except Exception:  # noqa: BLE001 (OmegaConf raises several kinds here)
             continue
         yield from iter_leaves(child, child_path, skip)
 
@@ -323,7 +323,7 @@ def parse_overrides(lines: list[str]) -> list[Any]:
     """Hydra's own override parser; [] for what Hydra will refuse itself, before running."""
     try:
         return OverridesParser.create().parse_overrides(lines)
-    except Exception:  # the override grammar: Hydra reports it
+    except Exception:  # noqa: BLE001 (the override grammar: Hydra reports it)
         return []
 
 
@@ -331,10 +331,11 @@ def parsed_arguments(argv: list[str]) -> argparse.Namespace | None:
     """Hydra's own parsing of argv; None for arguments Hydra refuses itself, running nothing."""
     parser = get_args_parser()
 
-    def refuse(message: str) -> None:
+    def refuse(message: str) -> NoReturn:
         raise ValueError(message)
 
-    parser.error = refuse  # type: ignore[method-assign]  (no usage text and exit from us)
+    # No usage text and no exit: the caller decides what a refusal means.
+    parser.error = refuse  # type: ignore[method-assign]
     try:
         return parser.parse_args(argv)
     except ValueError:  # Hydra reports it and stops before running anything

@@ -36,7 +36,7 @@ def enter_rank(
         return rank_main(cfg, run_dir, env, store)
     try:
         return rank_main(cfg, run_dir, env, store)
-    except BaseException as error:  # every way out becomes an exit code
+    except BaseException as error:  # noqa: BLE001 (every way out becomes an exit code)
         outcome = report(error, env, cfg.dist.timeout_s, store)
         if isinstance(error, Rejected):  # before training: a normal exit
             raise SystemExit(outcome.code) from None

@@ -22,7 +22,7 @@ import torch
 # Imported with this module, before any process group exists. DDP's constructor imports it
 # anyway; imported there, after gloo's threads had started, it made successful ranks abort at
 # exit ("terminate called without an active exception") in 3 of ~100 runs (torch 2.13).
-import torch._dynamo  # noqa: F401
+import torch._dynamo
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -70,7 +70,7 @@ class Parts:
 def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
     """Task, data, precision and model, the same initial weights on every rank, and the task
     checked on a real training batch."""
-    trainer: TrainerConfig = OmegaConf.to_object(cfg.trainer)  # type: ignore[assignment]
+    trainer: TrainerConfig = OmegaConf.to_object(cfg.trainer)
     global_batch_size = cfg.data.batch_size * env.world_size * trainer.grad_accum
     seed_everything(trainer.seed)  # same seed on every rank: identical initial weights
     log.info("Instantiating task <%s>", cfg.task._target_)

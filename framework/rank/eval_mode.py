@@ -65,11 +65,23 @@ def evaluate_checkpoint(
     )
     if not env.is_main:
         return None
+    return _write_summary(request, parts, metrics, payload["step"], run, env)
+
+
+def _write_summary(
+    request: EvalRequest,
+    parts: Parts,
+    metrics: dict[str, float],
+    step: int,
+    run: RunDir,
+    env: DistEnv,
+) -> dict[str, Any]:
+    split, path = request.split, request.checkpoint
     name, direction = resolve_objective(request.objective, parts.task.directions())
     summary = {
         "mode": "eval",
         "checkpoint": str(path.resolve()),
-        "step": payload["step"],
+        "step": step,
         "split": split,
         **metrics,
         "world_size": env.world_size,
@@ -82,7 +94,7 @@ def evaluate_checkpoint(
     log.info(
         "done: evaluated %s (step %d) on %s: %s run_dir=%s",
         path,
-        payload["step"],
+        step,
         split,
         values,
         run.path,

@@ -115,15 +115,19 @@ class Runner:
         # takes GradScaler's found_inf (torch's fused SGD/Adam/AdamW); others need a host read.
         self.skip_on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
         self._last_evaluation: tuple[int, dict[str, float]] | None = None
+        self._track_state(optimization)
+
+    def _track_state(self, optimization: Optimization) -> None:
+        """What advances as training goes, and the registry of what a checkpoint saves."""
         self.state = TrainState()
-        self.window = _Window(device, extras=task.train_sums)
+        self.window = _Window(self.device, extras=self.task.train_sums)
         self.rng = RNGStreams()
-        self.position = LoaderPosition(loaders.train.generator)
+        self.position = LoaderPosition(self.loaders.train.generator)
         self.states = run_states(
-            model,
+            self.model,
             optimization,
             self.state,
-            selection,
+            self.selection,
             per_rank={"rng": self.rng, "loader_generator": self.position, "window": self.window},
             steps_per_epoch=self.steps_per_epoch,
         )

@@ -129,7 +129,7 @@ def train(
     # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
     # key still resumes).
     record = redacted_container(cfg)
-    checkpoint: CheckpointConfig = OmegaConf.to_object(cfg.checkpoint)  # type: ignore[assignment]
+    checkpoint: CheckpointConfig = OmegaConf.to_object(cfg.checkpoint)
     checkpointer = Checkpointer(
         checkpoint, run.checkpoints, env, training_settings(record), sharded_checkpoints(cfg)
     )

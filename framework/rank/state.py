@@ -136,10 +136,10 @@ class LoaderPosition:
             self._restored = None
         self._epoch_start = self.generator.get_state()
 
-    def state_dict(self) -> torch.Tensor:  # type: ignore[override]
+    def state_dict(self) -> torch.Tensor:
         return self._epoch_start
 
-    def load_state_dict(self, state: torch.Tensor) -> None:  # type: ignore[override]
+    def load_state_dict(self, state: torch.Tensor) -> None:
         self._restored = state
 
 

@@ -563,7 +563,7 @@ class Checkpointer:
             try:
                 self._guard_save(step, written.result)
                 seal()
-            except BaseException as error:  # raised in the training thread, at the next save
+            except BaseException as error:  # noqa: BLE001 (raised in the training thread, at the next save)
                 self._pending_error = error
             finally:
                 done.set()
@@ -587,7 +587,7 @@ class Checkpointer:
         (cut off, its folder would stay partial and the previous checkpoint would be used)."""
         try:
             self.finish_pending()
-        except (Exception, CheckpointException) as error:  # the run is ending anyway
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 (the run is ending anyway)
             log.error("the last background checkpoint was not saved: %s", error)
 
     def _guard_save(self, step: int, save: Callable[[], Any]) -> Any:

@@ -93,7 +93,9 @@ def skipped_amp_step_leaves_powersgd_state_finite(rank, world_size):
         with precision.forward_context():
             loss = torch.nn.functional.cross_entropy(ddp(inputs), targets)
         precision.backward(loss)
-        precision.step(optimizer, model.parameters(), clip_grad_norm=1.0)
+        precision.unscale(optimizer)  # as the loop's update: unscale, clip, step
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        precision.step(optimizer)
         optimizer.zero_grad()
 
     step(poison=False)

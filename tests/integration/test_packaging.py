@@ -58,10 +58,8 @@ def installed(tmp_path_factory) -> Path:
     assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = (root / "dist").glob("framework-*.whl")
     pins = root / "pins.txt"
-    exported = run(
-        UV, "export", "--frozen", "--no-dev", "--no-hashes", "--no-emit-project",
-        "--project", REPO, "--output-file", pins, cwd=root,
-    )  # fmt: skip
+    export = ["export", "--frozen", "--no-dev", "--no-hashes", "--no-emit-project"]
+    exported = run(UV, *export, "--project", REPO, "--output-file", pins, cwd=root)
     assert exported.returncode == 0, exported.stderr[-3000:]
     venv = root / "venv"
     created = run(UV, "venv", "--python", sys.executable, venv, cwd=root)

@@ -58,4 +58,4 @@ def test_no_variables_is_one_process():
 
 def test_the_environment_value_cannot_change():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        DistEnv().rank = 1  # type: ignore[misc]
+        DistEnv().rank = 1

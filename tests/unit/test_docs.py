@@ -300,7 +300,7 @@ def outcome(command: Command) -> str | None:
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             compose_as_train(argv, check)
-    except Exception as error:  # what train would refuse, with exit code 2
+    except Exception as error:  # noqa: BLE001 (what train would refuse, with exit code 2)
         if command.refused_with is None:
             return f"{type(error).__name__}: {error}"
         if command.refused_with not in str(error):

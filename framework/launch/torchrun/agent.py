@@ -38,27 +38,7 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # The agent's own log folder (it would leave torchelastic_* in the temp dir): removed after.
     agent_logs = tempfile.mkdtemp(prefix="framework-elastic-")
-    config = LaunchConfig(
-        logs_specs=DefaultLogsSpecs(log_dir=agent_logs),
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=launcher.nproc_per_node,
-        # Several nodes: every node gives the same hydra.run.dir, so its name is the job's id
-        # on every node. One node: its own id, so jobs at localhost:0 never meet.
-        run_id=run_dir.name if max_nodes > 1 else run_dir.name + "-" + uuid.uuid4().hex[:8],
-        rdzv_backend="c10d",
-        rdzv_endpoint=launcher.rdzv_endpoint,
-        rdzv_configs=rendezvous_settings(launcher, max_nodes),
-        local_addr=launcher.local_addr,
-        max_restarts=launcher.max_restarts,
-        monitor_interval=launcher.monitor_interval_s,
-        # Forked from the fork server that has the training stack imported (forkserver.adopt
-        # keeps the variables the agent sets on top of the launcher's environment).
-        start_method=forkserver.START_METHOD,
-        # The agent passes these on to the ranks; by default it dies on SIGUSR1/2 instead and
-        # leaves its workers running.
-        signals_to_handle=",".join(stop_signal_names(list(cfg.trainer.stop_signals))),
-    )
+    config = launch_config(cfg, run_dir, agent_logs)
     try:
         forkserver.warm_up()  # (already running when `train` started it)
         elastic_launch(config, _elastic_worker)(cfg, run_dir, *forkserver.launcher_context())
@@ -84,6 +64,33 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
         raise Stopped(signal.Signals(error.sigval).name) from None
     finally:
         shutil.rmtree(agent_logs, ignore_errors=True)
+
+
+def launch_config(cfg: DictConfig, run_dir: Path, agent_logs: str) -> LaunchConfig:
+    """torch's elastic agent's settings, from launcher.*."""
+    launcher = cfg.launcher
+    min_nodes, max_nodes = node_range(launcher.nnodes)
+    return LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=agent_logs),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=launcher.nproc_per_node,
+        # Several nodes: every node gives the same hydra.run.dir, so its name is the job's id
+        # on every node. One node: its own id, so jobs at localhost:0 never meet.
+        run_id=run_dir.name if max_nodes > 1 else run_dir.name + "-" + uuid.uuid4().hex[:8],
+        rdzv_backend="c10d",
+        rdzv_endpoint=launcher.rdzv_endpoint,
+        rdzv_configs=rendezvous_settings(launcher, max_nodes),
+        local_addr=launcher.local_addr,
+        max_restarts=launcher.max_restarts,
+        monitor_interval=launcher.monitor_interval_s,
+        # Forked from the fork server that has the training stack imported (forkserver.adopt
+        # keeps the variables the agent sets on top of the launcher's environment).
+        start_method=forkserver.START_METHOD,
+        # The agent passes these on to the ranks; by default it dies on SIGUSR1/2 instead and
+        # leaves its workers running.
+        signals_to_handle=",".join(stop_signal_names(list(cfg.trainer.stop_signals))),
+    )
 
 
 def rendezvous_settings(launcher: DictConfig, max_nodes: int) -> dict[str, Any]:
