@@ -123,6 +123,7 @@ class DataConfig:
     num_features: int | None = None
     num_outputs: int | None = None
     vocab_size: int | None = None
+    block_size: int | None = None  # tokens per sequence
 
 
 # --- optimisation ---------------------------------------------------------------------------
