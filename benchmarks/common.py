@@ -94,9 +94,11 @@ class Work:
 def build_model(work: Work) -> torch.nn.Module:
     """The models the config groups build, for the contenders that are not ours."""
     from framework.components.models import SmallCNN, resnet18_cifar, resnet50
+    from framework.config.registry import option_values
 
     builders = {"cnn": SmallCNN, "resnet18": resnet18_cifar, "resnet50": resnet50}
-    return builders[work.model](in_channels=3, num_classes=10)
+    values = option_values("model", work.model, in_channels=3, num_classes=10)
+    return builders[work.model](**values)
 
 
 # --- the pool ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.app.eval_overrides import with_training_overrides
+from framework.app.help import help_text
 from framework.app.hydra_errors import run_with_exit_codes
 from framework.app.hydra_node_check import check_composed_hydra_node
 from framework.config import CONF_DIR, validate
@@ -104,7 +105,10 @@ def main() -> None:
         print(f"mode=eval: the training run's settings from {record}", file=sys.stderr)
     try:
         check_command_line(sys.argv[1:])
-        check_composed_hydra_node(sys.argv[1:])
+        if (text := help_text(sys.argv[1:])) is not None:
+            print(text)
+            return
+        check_composed_hydra_node(sys.argv[1:], app=True)
     except ConfigError as error:
         end(error, rank=here.global_rank())  # under torchrun rank 0 says it once
     # Secrets typed as overrides move to environment variables: Hydra's records, its console

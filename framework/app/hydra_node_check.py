@@ -1,10 +1,14 @@
-"""Hydra's own node, composed from every config file before Hydra starts.
+"""The config, composed from every config file before Hydra starts, and checked whole.
 
 Hydra configures its logging from the composed node and instantiates its callbacks, launcher and
 sweeper before any callback of ours runs, so a config file (an experiment of a colleague's, a
 group option in a folder on the search path) could name code there. This composes the config
 exactly as Hydra will (same search path, config name, overrides and run mode, and each job of a
 sweep), without configuring anything, and checks what Hydra would call (core/allowlist.py).
+
+The same composition is validated as the app will validate it (config/validation.py): a mistake
+is refused after one composition, before Hydra composes twice more (once to find the run mode,
+once to run), and before anything imports the training stack.
 """
 
 from __future__ import annotations
@@ -16,42 +20,56 @@ from pathlib import Path
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.utils import create_automatic_config_search_path
-from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.config_search_path import ConfigSearchPath, SearchPathQuery
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from framework.config import CONF_DIR
+from framework.config import CONF_DIR, validate
 from framework.config.registry import register_configs
 from framework.core.allowlist import check_hydra_node, parsed_arguments, trusted_prefixes
+from framework.core.exits import ConfigError
 
 APP_FILE = Path(__file__).resolve().parents[1] / "train.py"  # where @hydra.main is
 
 
-def check_composed_hydra_node(argv: list[str]) -> None:
+def check_composed_hydra_node(argv: list[str], app: bool = False) -> None:
     """Raise ConfigError when a composed Hydra node (the run's, or any sweep job's) names code
-    that is not allowed. Compositions Hydra will refuse itself are left to Hydra."""
+    that is not allowed, or (`app`) when the rest of it is not a valid config. Compositions
+    Hydra will refuse itself are left to Hydra."""
     args = parsed_arguments(argv)
     if args is None or args.overrides is None:
         return
     register_configs()  # the schemas the YAML files extend (train.py registers them too)
-    loader = ConfigLoaderImpl(config_search_path=_search_path(args))
+    loader = ConfigLoaderImpl(config_search_path=search_path(args))
     for cfg in _compositions(loader, args):
         hydra_node = OmegaConf.to_container(cfg.hydra, resolve=False)
         assert isinstance(hydra_node, dict)
         check_hydra_node(hydra_node, trusted_prefixes(cfg))
+        if app and not (args.multirun or args.cfg):  # (a sweep: each job, in Hydra; --cfg: shown)
+            _validate(cfg)
 
 
-def _search_path(args: argparse.Namespace):
+def _validate(cfg: DictConfig) -> None:
+    try:
+        validate(cfg)
+    except OmegaConfBaseException as error:  # a value that is not of its key's type
+        raise ConfigError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
+
+
+def search_path(args: argparse.Namespace) -> ConfigSearchPath:
+    """Hydra's search path for these arguments: the shipped conf/, the user's config folders
+    (the search path plugins), and --config-dir."""
     config_path = args.config_path if args.config_path is not None else str(CONF_DIR)
-    search_path = create_automatic_config_search_path(str(APP_FILE), None, config_path)
+    found = create_automatic_config_search_path(str(APP_FILE), None, config_path)
     if args.config_dir is not None:
-        search_path.prepend(
+        found.prepend(
             provider="command-line",
             path=f"file://{os.path.abspath(args.config_dir)}",
             anchor=SearchPathQuery(provider="schema"),
         )
-    return search_path
+    return found
 
 
 def _compositions(loader: ConfigLoaderImpl, args: argparse.Namespace) -> Iterator[DictConfig]:

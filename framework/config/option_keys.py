@@ -22,8 +22,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.config.registry import GROUP_BASES
-from framework.config.signatures import Signature, signature_of
 from framework.core.exits import ConfigError
+from framework.core.signatures import Signature, signature_of
 
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_convert_", "_recursive_", "_args_"})
 

@@ -15,16 +15,16 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schemas as s
 from framework.config.option_keys import check_target_keys
 from framework.config.registry import shipped_choice, shipped_targets
+from framework.config.resolvers import gpu_count
 from framework.core import launch_context
 from framework.core.allowlist import check_targets
 from framework.core.exits import ConfigError
+from framework.core.signatures import class_literal
 
 CPU_RANKS_PER_CORE = 4  # beyond this a CPU run only thrashes (launcher.oversubscribe insists)
 RUN_METRICS = {"samples_per_s": "max", "wall_s": "min"}  # objectives every run reports
@@ -94,7 +94,9 @@ def validate(cfg: DictConfig) -> None:
             check(cfg[group], cfg)
     for name, logger in cfg.logger.items():
         _check_logger(str(name), logger, cfg)
-    resolve_objective(cfg.objective, task_directions(cfg))
+    directions = task_directions(cfg.task._target_)
+    if directions is not None:  # (else the rank checks it, once it has built the task)
+        resolve_objective(cfg.objective, directions)
 
 
 def _check_nothing_missing(cfg: DictConfig) -> None:
@@ -148,9 +150,13 @@ def _check_no_unknown_keys(cfg: DictConfig) -> None:
                 raise ConfigError(f"{section}.{key} is not a setting: {hint}")
 
 
-def task_directions(cfg: DictConfig) -> dict[str, str]:
-    """{val/<metric>: min | max} of the configured task (built here: a task holds settings)."""
-    return instantiate(cfg.task).directions()
+def task_directions(target: str) -> dict[str, str] | None:
+    """{val/<metric>: min | max} of a task, from the `metrics` its class writes in its source;
+    None for a task that sets them itself from its settings (task=autoencoder's task.vae)."""
+    metrics = class_literal(target, "metrics")
+    if not isinstance(metrics, dict) or not metrics:
+        return None
+    return {f"val/{name}": str(direction) for name, direction in metrics.items()}
 
 
 def resolve_objective(objective: str | None, directions: dict[str, str]) -> tuple[str, str]:
@@ -283,7 +289,7 @@ def _check_ranks_fit_this_machine(launcher: DictConfig, cfg: DictConfig) -> None
     nproc = launcher.nproc_per_node
     if launcher.oversubscribe or nproc <= 1:
         return
-    gpus = torch.cuda.device_count()
+    gpus = gpu_count()
     if gpus:
         require(
             nproc <= gpus,

@@ -27,6 +27,7 @@ from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, R
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.core.exits import ConfigError
+from framework.core.signatures import definition_of, suggestion
 
 # --- what may run ---------------------------------------------------------------------------
 # torchvision.datasets is not one: its readers unpickle or torch.load the files under a root a
@@ -80,9 +81,16 @@ def has_private_segment(name: str) -> bool:
     return any(part.startswith("_") for part in name.split("."))
 
 
-def resolved_name(target: str) -> str | None:
-    """The dotted name of what `target` really is: `torch.os.system` is `posix.system`.
-    None when it cannot be imported (instantiate then fails on its own, running nothing)."""
+def resolved_name(target: str, by_import: bool = False) -> str | None:
+    """The dotted name of what `target` really is: `torch.os.system` is `posix.system`. Read
+    from source where it can be (core/signatures.py: the command refuses a mistake before the
+    training stack is imported), else, or `by_import`, from the object itself; None when it
+    cannot be imported (instantiate then fails on its own, running nothing)."""
+    found = None if by_import else definition_of(target)
+    return found.qualified_name if found is not None else _imported_name(target)
+
+
+def _imported_name(target: str) -> str | None:
     # Hydra's own lookup, so we judge exactly the object instantiate would call. Only reached
     # for names inside an allowed family, so importing them is allowed to run their module code.
     try:
@@ -103,7 +111,10 @@ def _family_of(target: str) -> str | None:
     return None
 
 
-def _is_callable_object(target: str) -> bool:
+def _is_callable_object(target: str, by_import: bool) -> bool:
+    """A class or function (a def or class statement in its source: always callable)."""
+    if not by_import and definition_of(target) is not None:
+        return True
     try:
         obj = _locate(target)
     except Exception:  # noqa: BLE001 (not importable: instantiate fails on its own)
@@ -112,11 +123,12 @@ def _is_callable_object(target: str) -> bool:
 
 
 def target_problem(
-    target: Any, trusted: Iterable[str] = (), shipped: Iterable[str] = ()
+    target: Any, trusted: Iterable[str] = (), shipped: Iterable[str] = (), by_import: bool = False
 ) -> str | None:
     """Why `target` may not be instantiated, ending with how to fix it; None when it may.
     `trusted`: module prefixes of your own code (allowed_targets, checked by trusted_prefixes);
-    `shipped`: the framework's own targets (config/registry.py's shipped_targets)."""
+    `shipped`: the framework's own targets (config/registry.py's shipped_targets);
+    `by_import`: judge the imported object, not its source (a rank, which imports it anyway)."""
     if not isinstance(target, str):
         return f"is a {type(target).__name__}, not a dotted name"
     if has_private_segment(target):
@@ -127,10 +139,10 @@ def target_problem(
     own = target in shipped or matches_prefix(target, trusted)
     if family is None and not own:
         return "is outside the allowed families: " + TARGET_FIX
-    real = resolved_name(target)
+    real = resolved_name(target, by_import)
     if real is None:
         return None
-    if not _is_callable_object(target):
+    if not _is_callable_object(target, by_import):
         return f"is {real}, not a class or function: " + TARGET_FIX
     home = family or FRAMEWORK_FAMILY
     if real != target:
@@ -269,17 +281,35 @@ def hydra_leaf_problem(path: str, value: Any, trusted: Iterable[str]) -> str | N
     return None
 
 
-def check_targets(cfg: DictConfig | Mapping, shipped: Iterable[str] = ()) -> None:
+def check_targets(
+    cfg: DictConfig | Mapping, shipped: Iterable[str] = (), by_import: bool = False
+) -> None:
     """Every `_target_` of the app config (Hydra's node excluded) must be allowed, and so must
-    the arguments it is given."""
+    the arguments it is given. The command judges each from its source; every rank judges the
+    imported objects again (`by_import`) before it builds anything."""
     trusted, shipped = trusted_prefixes(cfg), frozenset(shipped)
     for path, value in iter_leaves(cfg, skip=("hydra",)):
         if path.rsplit(".", 1)[-1] != "_target_":
             continue
-        problem = target_problem(value, trusted, shipped)
+        near = None if by_import else misspelt(value, trusted, shipped)
+        if near is not None:
+            raise ConfigError(f"{path}={value} names nothing: did you mean {near}?")
+        problem = target_problem(value, trusted, shipped, by_import)
         if problem:
             raise ConfigError(f"{path}={value} is not allowed: it {problem}")
         _check_arguments(cfg, path.rpartition(".")[0], value)
+
+
+def misspelt(target: Any, trusted: Iterable[str], shipped: Iterable[str]) -> str | None:
+    """The allowed name `target` was meant to be, when it names nothing (read from source and
+    the import path: nothing is imported) and an allowed name is near it; else None."""
+    if not isinstance(target, str) or has_private_segment(target):
+        return None
+    near = suggestion(target)
+    if near is None:
+        return None
+    allowed = _family_of(near) is not None or near in shipped or matches_prefix(near, trusted)
+    return near if allowed else None
 
 
 def _check_arguments(cfg: DictConfig | Mapping, node_path: str, target: str) -> None:

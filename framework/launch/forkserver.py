@@ -17,6 +17,7 @@ import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 from multiprocessing import reduction
 
@@ -43,7 +44,25 @@ def _leave_without_teardown() -> None:
     os._exit(0)
 
 
-if os.environ.pop(_SERVER_MARK, None):
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with_the_launcher(launcher: int) -> None:
+    """The server ends the moment its launcher does, even in the middle of its imports: a
+    command that refuses its config exits at once, and the server holding its output streams
+    would keep a caller reading them waiting for those imports (seconds). The kernel delivers
+    the signal; the ranks forked later do not inherit it (they watch the launcher themselves:
+    launcher_watch.py)."""
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher:  # the launcher ended before the signal was asked for
+        os._exit(0)
+
+
+_launcher = os.environ.pop(_SERVER_MARK, None)  # set, in the server, to the launcher's pid
+if _launcher:
+    _die_with_the_launcher(int(_launcher))
     # Registered before the preloads import anything else: their handlers run first (atexit
     # runs in reverse order), then this one skips the interpreter's teardown.
     atexit.register(_leave_without_teardown)
@@ -55,7 +74,7 @@ _SERVER_ENVIRON = dict(os.environ)
 def warm_up() -> None:
     """Start the fork server now, in the background (it imports PRELOAD once)."""
     multiprocessing.set_forkserver_preload(PRELOAD)
-    os.environ[_SERVER_MARK] = "1"
+    os.environ[_SERVER_MARK] = str(os.getpid())
     try:
         multiprocessing.forkserver.ensure_running()
     finally:

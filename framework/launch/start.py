@@ -11,8 +11,9 @@
 | a command a user typed                  | local, N ranks    | forked from the fork server        |
 
 The process that launches ranks never imports the training stack (torch._dynamo and the rest):
-its ranks get it from the fork server. Where this process is a rank itself, it imports it then:
-those imports sit in the functions below.
+its ranks get it from the fork server. Where this process is a rank itself, it imports it then,
+and the launchers (torch.distributed) are imported only once the config is accepted: a
+refused config never pays for them. Those imports sit in `start`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from omegaconf import DictConfig
 
 from framework.core import launch_context
 from framework.core.launch_context import DistEnv, LaunchContext
-from framework.launch.local.launcher import launch_local
-from framework.launch.torchrun.agent import launch_elastic
 from framework.storage.run_dir import RunDir
 
 SUBMITIT_LAUNCHERS = ("slurm", "slurm_local")
@@ -82,8 +81,12 @@ def start(how: Start, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
         return enter_rank(cfg, run_dir, DistEnv(), own_process=False)
     if how is Start.TORCHRUN_AGENT:
+        from framework.launch.torchrun.agent import launch_elastic  # torch.distributed, as above
+
         launch_elastic(cfg, run_dir)
     else:
+        from framework.launch.local.launcher import launch_local  # torch.distributed, as above
+
         launch_local(cfg, run_dir, cfg.launcher.nproc_per_node)
     files = RunDir(run_dir)
     return files.read_summary() if files.summary.exists() else None

@@ -23,7 +23,6 @@ import math
 import os
 import pickle
 import random
-import re
 import shutil
 import threading
 from collections.abc import Callable, Mapping
@@ -39,12 +38,12 @@ from framework.core.distributed import broadcast_object
 from framework.core.exits import CheckpointError, SaveFailed, first_line
 from framework.core.launch_context import DistEnv
 from framework.storage import sharded
+from framework.storage.files import atomic_write, fsync_dir, step_files
 from framework.storage.sharded import ShardedState
 
 log = logging.getLogger("framework")
 
 FORMAT = "framework-checkpoint/1"
-STEP_FILE = re.compile(r"^step_(\d+)\.(?:pt|dcp)$")
 SHARDED_FORMAT = "framework-checkpoint/1+dcp"  # a step_*.dcp folder's sidecar
 
 
@@ -125,41 +124,12 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 
 # --- files ---------------------------------------------------------------------------------
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         while chunk := file.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def step_files(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step_*.pt file and step_*.dcp folder, newest first."""
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_FILE.match(p.name))]
-    return sorted(found, reverse=True)
 
 
 def _save(directory: Path, step: int, payload: dict[str, Any], **sidecar: Any) -> Path:
@@ -199,11 +169,11 @@ def _seal(partial: Path, step: int, **sidecar: Any) -> Path:
     """A complete sharded save (`partial`: DCP's files and state.pt) becomes step_<N>.dcp in
     one rename, then its sidecar lists every file's size and sha256."""
     final = partial.parent / f"step_{step:08d}{sharded.SUFFIX}"
-    _fsync_dir(partial)
+    fsync_dir(partial)
     if final.exists():  # the same step saved again (a resumed run's final save)
         _drop(final)
     os.replace(partial, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     files = {
         item.name: {"bytes": item.stat().st_size, "sha256": _sha256(item)}
         for item in sorted(final.iterdir())

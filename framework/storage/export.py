@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from framework.core.exits import CheckpointError, ExitCode
-from framework.storage.checkpoint import atomic_write, read
+from framework.storage.checkpoint import read
+from framework.storage.files import atomic_write
 from framework.storage.sharded import ShardedState
 
 

@@ -38,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.core import launch_context
 from framework.core.exits import ConfigError
-from framework.storage.checkpoint import atomic_write, step_files
+from framework.storage.files import atomic_write, step_files
 
 log = logging.getLogger("framework")
 

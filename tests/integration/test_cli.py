@@ -165,7 +165,7 @@ BAD_INPUT = [
         ["data=synthetic", "data.train_size=16", "data.val_size=4"],
         ["data.batch_size", "smaller than one global batch"],
     ),
-    (["comm=powersgd", "comm.compress=fp8"], ["comm.compress=fp8", "expected one of [fp16, bf16]"]),
+    (["comm=powersgd", "comm.compress=fp8"], ["comm.compress='fp8'", "not one of 'fp16', 'bf16'"]),
     (["trainer.on_nonfinite=ignore"], ["trainer.on_nonfinite=ignore", "one of [stop, skip]"]),
     (["trainer.max_step=5"], ["trainer.max_step", "not in 'TrainerConfig'"]),
     (["launcher=torchrun", "launcher.nnodes=2:1"], ["launcher.nnodes=2:1", "MIN:MAX"]),

@@ -16,6 +16,7 @@ import torch
 from framework.core.exits import CheckpointError
 from framework.storage import checkpoint
 from framework.storage.checkpoint import check_model_keys, newest_valid, read, write
+from framework.storage.files import step_files
 from framework.storage.sharded import join, marked, split
 from tests.conftest import REPO
 
@@ -278,6 +279,6 @@ def test_a_sharded_save_past_a_file_size_limit_says_so_and_keeps_the_previous_on
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("the checkpoint of step 2 could not be written to"), done.stdout
     assert "File too large" in done.stdout and "step_00000001.dcp is intact" in done.stdout
-    assert [p.name for _, p in checkpoint.step_files(tmp_path)] == ["step_00000001.dcp"]
+    assert [p.name for _, p in step_files(tmp_path)] == ["step_00000001.dcp"]
     assert os.readlink(tmp_path / "last.pt") == "step_00000001.dcp"
     assert read(tmp_path / "last.pt")["step"] == 1

@@ -15,9 +15,9 @@ from framework.components.optim import build_optimizer, scaled_lr
 from framework.config import schemas, validate
 from framework.config.registry import GROUP_BASES
 from framework.config.resume_rules import must_match_in_eval, resumable_keys, training_settings
-from framework.config.signatures import signature_of
 from framework.config.validation import node_range
 from framework.core.exits import ConfigError
+from framework.core.signatures import signature_of
 from tests.conftest import CONF_DIR, make_cfg
 
 

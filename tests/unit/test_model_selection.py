@@ -15,7 +15,8 @@ from framework.config.schemas import EarlyStoppingConfig
 from framework.core.launch_context import DistEnv
 from framework.rank.model_selection import BestCheckpoints, EarlyStopping, ModelSelection
 from framework.rank.state import Model
-from framework.storage.checkpoint import Checkpointer, step_files
+from framework.storage.checkpoint import Checkpointer
+from framework.storage.files import step_files
 
 
 def kept_after(best: BestCheckpoints, scores: list[float]) -> list[list[float]]:

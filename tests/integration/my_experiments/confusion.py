@@ -12,7 +12,7 @@ class BalancedAccuracy(Classification):
     states = ("confusion",)  # [true class, predicted class] counts
 
     def __init__(self, num_classes: int) -> None:
-        super().__init__()
+        super().__init__(label_smoothing=0.0, ignore_index=None)  # plain cross-entropy
         self.num_classes = num_classes
 
     def evaluate(self, model, batch):

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import ast
 import copy
+import difflib
 import functools
 import importlib.machinery
 import os
+import pkgutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,13 @@ class Definition:
     module: str
     path: Path
     node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+    owner: str = ""  # the class a method is defined in
+
+    @property
+    def qualified_name(self) -> str:
+        """`module.Name`, or `module.Class.method`: what the object's __qualname__ says."""
+        qualname = f"{self.owner}.{self.node.name}" if self.owner else self.node.name
+        return f"{self.module}.{qualname}"
 
 
 def signature_of(target: str) -> Signature | None:
@@ -197,7 +206,7 @@ def _member(found: Definition | None, name: str) -> Definition | None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and (
             node.name == name
         ):
-            return Definition(found.module, found.path, node)
+            return Definition(found.module, found.path, node, owner=found.node.name)
     return None
 
 
@@ -297,3 +306,126 @@ def _without_self(signature: Signature) -> Signature:
     names = list(signature.parameters)
     parameters = {name: signature.parameters[name] for name in names[1:]}
     return Signature(signature.target, parameters, signature.takes_kwargs)
+
+
+def class_literal(target: str, attribute: str) -> object | None:
+    """The value a class assigns to `attribute` in its body (or a base's), when the source writes
+    it as a literal and no method assigns `self.<attribute>`; None otherwise."""
+    found = definition_of(target)
+    budget = FOLLOW_AT_MOST
+    while found is not None and isinstance(found.node, ast.ClassDef) and budget > 0:
+        if _assigned_on_instances(found.node, attribute):
+            return None
+        for statement in found.node.body:
+            value = _assigned_value(statement, attribute)
+            if value is not None:
+                try:
+                    return ast.literal_eval(value)
+                except ValueError:
+                    return None
+        bases = found.node.bases
+        found = _followed(found.module, bases[0], budget - 1) if bases else None
+        budget -= 1
+    return None
+
+
+def _assigned_value(statement: ast.stmt, name: str) -> ast.expr | None:
+    if isinstance(statement, ast.Assign) and _assigns(statement, name):
+        return statement.value
+    if (
+        isinstance(statement, ast.AnnAssign)
+        and isinstance(statement.target, ast.Name)
+        and statement.target.id == name
+    ):
+        return statement.value
+    return None
+
+
+def _assigned_on_instances(node: ast.ClassDef, name: str) -> bool:
+    """Whether a method assigns `self.<name>` (the value then depends on the instance)."""
+    return any(
+        isinstance(target, ast.Attribute)
+        and target.attr == name
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+        for statement in ast.walk(node)
+        if isinstance(statement, ast.Assign | ast.AnnAssign | ast.AugAssign)
+        for target in (
+            statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+        )
+    )
+
+
+def suggestion(target: str) -> str | None:
+    """The existing dotted name nearest to `target` when `target` names nothing (a typo in a
+    package, a module or a name: `myprj.nets.MLP`, `myproj.netz.MLP`, `myproj.nets.MLPP`),
+    found from source and the import path without importing anything; None when `target`
+    exists or nothing is near it."""
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):  # the longest prefix that is a module
+        module = ".".join(parts[:cut])
+        if source_file(module) is None and not _is_namespace(module):
+            continue
+        if cut == len(parts) or definition_of(target) is not None:
+            return None
+        near = _nearest(parts[cut], _members(module))
+        return ".".join([module, near, *parts[cut + 1 :]]) if near else None
+    near = _nearest(parts[0], _top_level_modules())
+    return ".".join([near, *parts[1:]]) if near else None
+
+
+def _nearest(name: str, candidates: set[str]) -> str | None:
+    close = difflib.get_close_matches(name, sorted(candidates), n=1)
+    return close[0] if close else None
+
+
+def _members(module: str, budget: int = 3) -> set[str]:
+    """The public names a module's source binds (through `from x import *` too), and its
+    submodules if it is a package."""
+    names: set[str] = set()
+    path = source_file(module)
+    tree = parsed(path) if path is not None else None
+    for node in _top_level(tree.body if tree is not None else []):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and node.names[0].name == "*" and budget > 0:
+            source = _imported_module(module, node)
+            names.update(_members(source, budget - 1) if source else ())
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names.update(alias.asname or alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for location in _package_locations(module):
+        names.update(info.name for info in pkgutil.iter_modules([location]))
+    return {name for name in names if not name.startswith("_") and name != "*"}
+
+
+def _package_locations(module: str) -> list[str]:
+    spec = _spec(module)
+    return list(spec.submodule_search_locations or []) if spec is not None else []
+
+
+def _is_namespace(module: str) -> bool:
+    spec = _spec(module)
+    return spec is not None and spec.origin is None and bool(spec.submodule_search_locations)
+
+
+def _spec(module: str) -> importlib.machinery.ModuleSpec | None:
+    locations: list[str] | None = [entry or os.getcwd() for entry in sys.path]
+    spec = None
+    for depth, _ in enumerate(module.split("."), start=1):
+        if locations is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(
+            ".".join(module.split(".")[:depth]), locations
+        )
+        if spec is None:
+            return None
+        locations = list(spec.submodule_search_locations or []) or None
+    return spec
+
+
+def _top_level_modules() -> set[str]:
+    """Every module and package on the import path (names only: nothing is imported)."""
+    paths = [entry or os.getcwd() for entry in sys.path]
+    return {info.name for info in pkgutil.iter_modules(paths)} | set(sys.builtin_module_names)
