@@ -17,10 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.components.loggers import build_sink, setup_logging
 from framework.config.redaction import redacted_container
+from framework.config.registry import shipped_targets
 from framework.config.resume_rules import training_settings
 from framework.config.schemas import CheckpointConfig
 from framework.config.validation import sharded_checkpoints
 from framework.core import startup_clock
+from framework.core.allowlist import check_targets
 from framework.core.distributed import (
     broadcast_object,
     limit_cpu_threads,
@@ -68,6 +70,9 @@ def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[
                 cfg, run_dir = broadcast_object((cfg, run_dir))  # rank 0's config runs
             run = RunDir(run_dir)
             setup_logging(env.is_main, env.rank, run.log)
+            # The command judged each target from its source; what is built here is the
+            # imported object, judged again before anything is instantiated.
+            check_targets(cfg, shipped_targets(), by_import=True)
             log_layout(cfg, env, device, backend, run)
             parts = build_parts(cfg, env, device)
             if cfg.mode == "eval":
