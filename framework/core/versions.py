@@ -17,6 +17,9 @@ Where the supported versions differ, found by running the suite on each (not fro
 - torch 2.8: `dcp.async_save` takes no `no_dist=`; storage/sharded.py passes it to no DCP call
   (every version infers it when no process group exists).
 
+- Python 3.13 pickles pathlib's PosixPath as `pathlib._local.PosixPath` (3.11 and 3.12 as
+  `pathlib.PosixPath`); DCP's index holds one, so the index reader allows `PATH_PICKLED_AS`.
+
 Below the floor, found the same way: torch 2.7 also averages wrongly on gloo and its FSDP2 has
 no sum-only switch (the fix would patch torch internals); torch 2.6's FSDP2 cannot run on CPU
 (`'Stream' object has no attribute 'record_event'`) and its `dcp.save` takes no `no_dist=`.
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 FLOORS: dict[str, tuple[int, int]] = {"torch": (2, 8), "torchvision": (0, 23)}
 # The newest releases tested (the lock); newer ones are allowed.
 NEWEST_TESTED: dict[str, str] = {"torch": "2.13", "torchvision": "0.28"}
+# The names under which pickle finds pathlib.PosixPath (Python 3.13 moved it; see above).
+PATH_PICKLED_AS = (("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"))
 # torch releases whose gloo reduce_scatter sums where AVG is asked for.
 GLOO_AVERAGES_FROM = (2, 9)
 

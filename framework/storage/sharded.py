@@ -33,31 +33,35 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from framework.core.exits import CheckpointError, first_line
+from framework.core.versions import PATH_PICKLED_AS
 
 SUFFIX = ".dcp"
 STATE_FILE = "state.pt"  # inside the folder, beside DCP's files
 TENSOR_MARK = "\x00dcp-tensor"  # where a skeleton had a tensor (a string no state holds)
 
 # What DCP's index may contain: its metadata classes, torch.Size, dtypes and layouts.
-_INDEX_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a lookup among torch's layouts by name
-    ("pathlib", "PosixPath"),
-    ("collections", "OrderedDict"),
-}
+_INDEX_CLASSES = (
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a lookup among torch's layouts by name
+        ("collections", "OrderedDict"),
+    }
+    | set(PATH_PICKLED_AS)
+)
 
 
 class _IndexUnpickler(pickle.Unpickler):
