@@ -16,7 +16,6 @@ Where the supported versions differ, found by running the suite on each (not fro
   optimizer plain values in every version.
 - torch 2.8: `dcp.async_save` takes no `no_dist=`; storage/sharded.py passes it to no DCP call
   (every version infers it when no process group exists).
-
 - Python 3.13 pickles pathlib's PosixPath as `pathlib._local.PosixPath` (3.11 and 3.12 as
   `pathlib.PosixPath`); DCP's index holds one, so the index reader allows `PATH_PICKLED_AS`.
 
