@@ -40,28 +40,25 @@ STATE_FILE = "state.pt"  # inside the folder, beside DCP's files
 TENSOR_MARK = "\x00dcp-tensor"  # where a skeleton had a tensor (a string no state holds)
 
 # What DCP's index may contain: its metadata classes, torch.Size, dtypes and layouts.
-_INDEX_CLASSES = (
-    {
-        ("torch.distributed.checkpoint.metadata", name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        )
-    }
-    | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # a lookup among torch's layouts by name
-        ("collections", "OrderedDict"),
-    }
-    | set(PATH_PICKLED_AS)
-)
+_INDEX_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a lookup among torch's layouts by name
+    ("collections", "OrderedDict"),
+    *PATH_PICKLED_AS,
+}
 
 
 class _IndexUnpickler(pickle.Unpickler):
@@ -154,7 +151,7 @@ def write_shards(
     completes once every rank's file and the index are durable."""
     writer = FileSystemWriter(folder, sync_files=True)
     # Without a process group DCP saves alone: every supported torch infers it (and warns);
-    # `no_dist=` would say it twice, and torch 2.6-2.7 have no such keyword.
+    # `no_dist=` would say it twice, and torch 2.6's save and 2.8's async_save take no such keyword.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is", UserWarning)
         if in_background:
