@@ -107,7 +107,11 @@ def arguments(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--cpu", action="store_true", help="toy sizes on the CPU, CUDA hidden")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check")))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", REPO / "benchmarks/results/gpu-check")),
+    )
     parser.add_argument("--wheels", type=Path, help="install these wheels and the framework first")
     parser.add_argument("--site", type=Path, default=Path(tempfile.gettempdir(), "framework-site"))
     parser.add_argument("--only", help=f"some of: {','.join(STEPS)}")
@@ -328,7 +332,11 @@ def run_check(args: argparse.Namespace) -> bool:
         outcome = run_step(name, prepared, limit, log)
         record.add(outcome)
         print(line(outcome), flush=True)
-        if name == "environment" and not args.cpu and not outcome["figures"].get("cuda_available"):
+        if (
+            name == "environment"
+            and not args.cpu
+            and outcome["figures"].get("cuda_available") is False
+        ):
             for later in names[names.index(name) + 1 :]:
                 record.add(entry(later, False, 0.0, {}, None, "no CUDA device is visible"))
             break
@@ -458,7 +466,7 @@ def _environment(f: dict[str, Any]) -> str:
         return f"no CUDA; torch {f.get('torch')}, python {f.get('python')}"
     return (
         f"{f['device_name']} ({f['memory_gib']} GiB), torch {f['torch']} (CUDA {f['torch_cuda']}),"
-        f" bf16 matmul {f['bf16_matmul_tflops']:.0f} TFLOP/s, NCCL one rank: {f['nccl_one_rank']}"
+        f" bf16 matmul {_num(f['bf16_matmul_tflops'])} TFLOP/s, NCCL one rank: {f['nccl_one_rank']}"
     )
 
 

@@ -128,18 +128,25 @@ def environment(run: StepRun) -> StepResult:
 
 
 def gpu_figures() -> dict[str, Any]:
+    """Each figure on its own: one that cannot be read is named with why, the others stay."""
     properties = torch.cuda.get_device_properties(0)
-    figures: dict[str, Any] = {
-        "device_name": torch.cuda.get_device_name(0),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
-        "memory_gib": round(properties.total_memory / 2**30, 1),
-        "multiprocessors": properties.multi_processor_count,
-        "cudnn": torch.backends.cudnn.version(),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "nvidia_smi": _nvidia_smi(),
+    readers: dict[str, Callable[[], Any]] = {
+        "device_name": lambda: torch.cuda.get_device_name(0),
+        "capability": lambda: ".".join(map(str, torch.cuda.get_device_capability(0))),
+        "memory_gib": lambda: round(properties.total_memory / 2**30, 1),
+        "multiprocessors": lambda: properties.multi_processor_count,
+        "cudnn": torch.backends.cudnn.version,
+        "nccl": lambda: str(torch.cuda.nccl.version()),
+        "nvidia_smi": _nvidia_smi,
+        "bf16_matmul_tflops": bf16_matmul_tflops,
+        "nccl_one_rank": nccl_one_rank,
     }
-    figures["bf16_matmul_tflops"] = bf16_matmul_tflops()
-    figures["nccl_one_rank"] = nccl_one_rank()
+    figures = {}
+    for name, read in readers.items():
+        try:
+            figures[name] = read()
+        except Exception as error:  # noqa: BLE001 (a figure, not the step)
+            figures[name] = f"not read: {_first_lines(error, 1)}"
     return figures
 
 
