@@ -681,6 +681,8 @@ CHECKPOINT_RUN = [
     "checkpoint.every=0",
 ]
 NOT_CARRIED = ("rng.cuda",)  # a CPU has no CUDA generator: its state cannot cross a CPU leg
+# Applied only once the epoch's iterator exists: compared as the first resumed step starts.
+LAZILY_RESTORED = {"rng", "loader_generator"}
 
 
 def checkpoint(run: StepRun) -> StepResult:
@@ -785,9 +787,23 @@ def loaded_state_figures(runner, payload: dict[str, Any]) -> dict[str, Any]:
     for key, state in shared.items():
         differences += bitwise_differences(state, payload.get(key), key)
     per_rank = runner.states.rank_state_dict()
-    for key in ("comm", "window"):
-        differences += bitwise_differences(per_rank[key], payload["ranks"][0][key], key)
-    return {"differences": differences, "loaded_placement": placement_of(runner)}
+    for key in per_rank.keys() - LAZILY_RESTORED:
+        differences += bitwise_differences(per_rank[key], payload["ranks"][0].get(key), key)
+    return {
+        "differences": differences,
+        "tensors_compared": tensor_count([shared, per_rank]),  # a comparison of nothing shows
+        "loaded_placement": placement_of(runner),
+    }
+
+
+def tensor_count(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return 1
+    if isinstance(value, dict):
+        return sum(tensor_count(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_count(v) for v in value)
+    return 0
 
 
 def stream_differences(runner, payload: dict[str, Any]) -> list[str]:

@@ -230,3 +230,4 @@ def test_the_cpu_mode_runs_every_step_and_writes_its_figures(tmp_path):
     legs = steps["checkpoint"]["figures"]["legs"]
     assert [leg["steps"] for leg in legs] == [10, 20, 30]
     assert all(leg["differences"] == [] for leg in legs) and legs[2]["compared"]
+    assert legs[1]["tensors_compared"] > 20  # weights, AdamW's moments, the EMA's, ...
