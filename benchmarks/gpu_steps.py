@@ -101,8 +101,8 @@ def preload() -> None:
     import torch._dynamo  # noqa: F401
 
     import benchmarks.common  # noqa: F401
-    import framework.launch.start  # noqa: F401
-    import framework.run.assemble  # noqa: F401
+    import framework.launch.start
+    import framework.rank.main  # noqa: F401
 
 
 # --- environment -------------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def _peak(check: Check, device_name: str) -> tuple[float | None, str]:
 
 
 def _table_peak(device_name: str) -> float | None:
-    from framework.components.hardware import table_peak_tflops
+    from framework.components.utilization import table_peak_tflops
 
     found = table_peak_tflops(device_name, "bf16")
     return found[1] if found else None
@@ -382,7 +382,7 @@ def clean_slate(device: torch.device) -> None:
 
 
 def train_gpt(work: GPTWork, device: torch.device, run_dir: Path) -> dict[str, Any]:
-    """framework.run.assemble.run on one rank, as `train` runs a one-rank job in its own
+    """framework.rank.main.rank_main on one rank, as `train` runs a one-rank job in its own
     process: steady tokens/s, MFU and peak memory from its metrics.jsonl."""
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = run_one_rank(work.overrides(), run_dir)
@@ -404,10 +404,10 @@ def run_one_rank(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     from benchmarks.common import compose
     from framework.core import startup_clock
     from framework.core.launch_context import DistEnv
-    from framework.run.assemble import run
+    from framework.rank.main import rank_main
 
     startup_clock.count_from_now()  # its start-up line counts from here, not from the process
-    return run(compose(overrides), run_dir, DistEnv()) or {}
+    return rank_main(compose(overrides), run_dir, DistEnv()) or {}
 
 
 def _all_have(events: list[dict[str, Any]], key: str) -> bool:
@@ -541,7 +541,7 @@ def watching_steps(cpu: bool, seen: list[str], reads: list[str]) -> Iterator[Non
     step SYNC_FIRST to the start of step SYNC_LAST (those steps and the loop's work between
     them) a synchronising CUDA call raises (GPU), or each read of a computed tensor is
     recorded into `reads` (CPU, where every tensor is a host tensor)."""
-    from framework.run.loop import Runner
+    from framework.rank.loop import Runner
 
     original = Runner.train_step
     if cpu:
@@ -733,7 +733,7 @@ def _copy_log(path: Path) -> None:
 def checkpoint_leg(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     """One leg, in its own process: train (resuming where overrides say), comparing the
     loaded state with the checkpoint's."""
-    from framework.run.loop import Runner
+    from framework.rank.loop import Runner
 
     found: dict[str, Any] = {}
     original_load, original_step = Runner.load_checkpoint, Runner.train_step

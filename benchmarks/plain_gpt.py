@@ -34,7 +34,7 @@ LR, WEIGHT_DECAY, BETAS, LR_WARMUP, CLIP = 3.0e-3, 0.1, (0.9, 0.99), 50, 1.0
 VOCAB_SIZE = 128  # data.vocab_size of data=text: one token per ASCII character
 
 # Dense bf16 TFLOP/s of one GPU from NVIDIA's datasheets (the "with sparsity" figures halved),
-# written here apart from framework/components/hardware.py so that the check compares the
+# written here apart from framework/components/utilization.py so that the check compares the
 # framework's table with a second source. First substring of torch.cuda.get_device_name wins.
 DATASHEET_BF16_TFLOPS = (
     ("H100 NVL", 835.0),
@@ -163,7 +163,7 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory_mib(device: torch.device) -> float:
-    from framework.components.hardware import peak_memory_mib as framework_peak
+    from framework.components.utilization import peak_memory_mib as framework_peak
 
     return framework_peak(device)  # what `train` logs as memory/peak_mib_max
 
@@ -194,10 +194,12 @@ def batches_forever(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Te
 def train_plain(work: GPTWork, device: torch.device) -> dict[str, Any]:
     """The plain loop on `work`: its steady tokens/s, peak memory and last loss."""
     from framework.components.data import text
+    from framework.config.registry import option_values
 
     torch.manual_seed(0)
     reset_peak_memory(device)
-    data = text(block_size=work.block_size, stride=work.stride).train
+    values = option_values("data", "text", block_size=work.block_size, stride=work.stride)
+    data = text(**values).train
     loader = DataLoader(
         data,
         batch_size=work.batch_size,

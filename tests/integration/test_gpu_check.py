@@ -82,12 +82,13 @@ def test_the_plain_loop_trains_as_the_preset_does():
 
 def test_the_hand_count_of_flops_is_the_frameworks():
     from benchmarks.plain_gpt import build_model
-    from framework.components.hardware import micro_batch_flops
     from framework.components.tasks.language_model import LanguageModel
+    from framework.components.utilization import micro_batch_flops
+    from framework.config.registry import option_values
 
     tokens = torch.zeros(TOY.batch_size, TOY.block_size, dtype=torch.long)
     flops, where = micro_batch_flops(
-        LanguageModel(),
+        LanguageModel(**option_values("task", "language_model")),
         lambda: build_model(TOY),
         (tokens, tokens),
         torch.device("cpu"),
