@@ -104,7 +104,6 @@ def digits(
     test_fraction: float,
     split_seed: int,
     normalize: bool,
-    **_: object,
 ) -> Splits:
     """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes. Pixels in
     [-1, 1] (normalize) or [0, 1]."""
@@ -121,7 +120,6 @@ def diabetes(
     val_fraction: float,
     test_fraction: float,
     split_seed: int,
-    **_: object,
 ) -> Splits:
     """scikit-learn's bundled diabetes data: 442 patients, 10 features, disease progression one
     year later (a real number). Features and target standardised with the training split's
@@ -170,7 +168,6 @@ def text(
     block_size: int,
     stride: int,
     val_fraction: float,
-    **_: object,
 ) -> Splits:
     """English text that ships with Python: the standard library's help topics
     (pydoc_data.topics, ~465,000 characters), one token per character. The last val_fraction
@@ -225,7 +222,6 @@ def synthetic(
     image_size: int,
     num_classes: int,
     seed: int,
-    **_: object,
 ) -> Splits:
     """Random CIFAR-shaped images; labels come from a fixed random projection, so they are
     learnable and losses fall, which keeps tests that compare runs meaningful."""
@@ -290,7 +286,6 @@ def cifar10(
     root: str | None,
     download: bool,
     augment: bool,
-    **_: object,
 ) -> Splits:
     """CIFAR-10 from a local folder in torchvision's layout (`cifar-10-batches-py`)."""
     # torchvision is imported here, not at the top: runs that use neither CIFAR-10 nor a

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from sklearn.metrics import mean_absolute_error, r2_score
 from torch import nn
 
-from framework.components.data import PadSequences, to_device
+from framework.components.data import PadSequences, load_splits, to_device
 from framework.components.models import GPT, VAE, FeedForward, SmallCNN
 from framework.components.tasks import (
     Autoencoder,
@@ -244,7 +244,7 @@ def test_every_shipped_task_fits_its_preset():
     """The presets' own first batch passes the check they will meet at start-up."""
     for preset in ("digits_cnn", "diabetes_mlp", "digits_vae", "char_gpt"):
         cfg = make_cfg(f"experiment={preset}")
-        task, model, splits = instantiate(cfg.task), instantiate(cfg.model), instantiate(cfg.data)
+        task, model, splits = instantiate(cfg.task), instantiate(cfg.model), load_splits(cfg.data)
         with torch.no_grad():
             task.check(model.eval(), first_batch(splits.train, 4))
 

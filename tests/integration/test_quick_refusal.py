@@ -1,0 +1,103 @@
+"""A config mistake is refused before anything imports torch: one line, exit 2, no run dir, and no
+process left behind (the fork server `train` starts early ends with it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from framework.core.exits import ExitCode
+from tests.conftest import DIST_ENV_VARS
+
+# Imported at start-up from PYTHONPATH: importing torch (or torchvision) then fails, while its
+# source stays where the callables' signatures are read from.
+IMPORT_GUARD = """
+import sys
+
+
+class RefuseTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "torchvision"}:
+            raise ImportError(f"{name} was imported")
+        return None
+
+
+sys.meta_path.insert(0, RefuseTorch())
+"""
+MISTAKES = [
+    ("data.standardise=true", "error: data.standardise is not a setting of"),
+    ("data.batch_size=abc", "data.batch_size"),
+    ("model=nosuch", "model"),
+    ("model=mlp model.hiden_sizes=[8]", "did you mean model.hidden_sizes?"),
+    ("optimizer.momentum=abc", "optimizer.momentum='abc' is not of type float"),
+    ("optimizer._target_=torch.optim.SDG", "did you mean torch.optim.SGD?"),
+    ("task=autoencoder task.reconstruction=l1", "not one of 'mse', 'bce'"),
+    ("objective=val/acuracy", "objective='val/acuracy' is not a metric"),
+    ("trainer.grad_accum=0", "trainer.grad_accum=0 is invalid"),
+]
+
+
+def command_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in {*DIST_ENV_VARS, "PYTHONPATH"}}
+    return {**env, **extra}
+
+
+@pytest.mark.parametrize(("mistake", "said"), MISTAKES, ids=[m for m, _ in MISTAKES])
+def test_a_config_mistake_is_refused_before_anything_imports_torch(tmp_path, mistake, said):
+    """A torch that cannot be imported shows whether anything tried: one rank, so no fork
+    server imports it either."""
+    (tmp_path / "guard").mkdir()
+    (tmp_path / "guard" / "sitecustomize.py").write_text(IMPORT_GUARD)
+    result = subprocess.run(
+        [sys.executable, "-m", "framework.cli", "launcher.nproc_per_node=1", *mistake.split()],
+        cwd=tmp_path,
+        env=command_env(PYTHONPATH=str(tmp_path / "guard")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr[-3000:]
+    assert said in lines[0]
+    assert not (tmp_path / "outputs").exists()
+
+
+def marked_processes(mark: str) -> list[int]:
+    """The processes whose environment holds `mark`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def test_a_refused_command_leaves_no_fork_server_behind(tmp_path):
+    """The fork server starts before the config is read (it imports torch while the command
+    composes); a refused command must not leave it importing, holding the command's output
+    streams open, for seconds after the error."""
+    mark = f"FRAMEWORK_TEST_MARK_{uuid.uuid4().hex}"
+    train = Path(sys.executable).parent / "train"
+    with open(tmp_path / "out", "w") as out:
+        command = subprocess.Popen(
+            [str(train), "model.hiden=16"],
+            cwd=tmp_path,
+            env=command_env(**{mark: "1"}),
+            stdout=out,
+            stderr=out,
+        )
+        assert command.wait(timeout=120) == ExitCode.CONFIG_REJECTED
+    deadline = time.monotonic() + 2.0  # the kernel's signal, delivered as the command ends
+    while marked_processes(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marked_processes(mark) == []
+    assert "model.hiden is not a setting" in (tmp_path / "out").read_text()
