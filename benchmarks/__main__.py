@@ -13,6 +13,8 @@ written to benchmarks/results/<name>.json (and a PNG where it plots).
                (--options: the speed options, train vs the torchrun loop)
     memory     bytes and peak memory per rank, ddp vs fsdp at 1, 2 and 4 ranks (GPT preset),
                and fsdp's step time against ddp's
+    mistakes   ten typical config mistakes, --help and --cfg job as whole commands, beside the
+               floor of any Hydra app (import hydra, compose once)
     all        every one of the above, in that order
 
     gpu        one prepared check of the CUDA path on a lent GPU, every step timed into
@@ -37,6 +39,7 @@ BENCHMARKS = (
     "presets",
     "command",
     "memory",
+    "mistakes",
 )
 
 
