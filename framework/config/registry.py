@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.config import schemas as s
 from framework.config.resolvers import register_resolvers
 from framework.core.config_dir import CONF_DIR
+from framework.core.signatures import signature_of
 
 # group -> the schema of the keys the framework reads from any of its options. Stored open: an
 # option adds keys of its own, typed by its `_target_`'s signature (option_keys.py), while the
@@ -102,10 +103,14 @@ def shipped_choice(group: str, node: DictConfig) -> str:
 
 def option_values(group: str, name: str, **changes: object) -> dict[str, object]:
     """The keywords conf/<group>/<name>.yaml gives its callable, `changes` on top: a shipped
-    option called from Python (tests, benchmarks) as `train` calls it. Interpolations
+    option called from Python (tests, benchmarks) as `train` calls it, without the framework's
+    keys (data.batch_size) that a callable taking no **kwargs is not given. Interpolations
     (`${data.num_classes}`) are left to `changes`."""
     content = yaml.safe_load(shipped_options(group)[name].read_text()) or {}
     values = {key: value for key, value in content.items() if not _is_special(key)}
+    signature = signature_of(str(content["_target_"])) if "_target_" in content else None
+    if signature is not None and not signature.takes_kwargs:
+        values = {key: value for key, value in values.items() if key in signature.parameters}
     return {**values, **changes}
 
 
