@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.components.loggers import build_sink, setup_logging
+from framework.config import batch
 from framework.config.redaction import redacted_container
 from framework.config.registry import shipped_targets
 from framework.config.resume_rules import training_settings
@@ -93,7 +94,8 @@ def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[
 def log_layout(
     cfg: DictConfig, env: DistEnv, device: torch.device, backend: str, run: RunDir
 ) -> None:
-    per_rank, accumulation = cfg.data.batch_size, cfg.trainer.grad_accum
+    per_rank = cfg.data.batch_size
+    accumulation = batch.grad_accum(cfg.trainer, per_rank, env.world_size)
     log.info(
         "world_size=%d backend=%s device=%s | global batch %d = %d per rank x %d ranks x %d "
         "accumulation steps | run dir %s",
