@@ -44,9 +44,10 @@ def test_grad_accumulation_matches_the_larger_batch(tmp_path):
     )
     _, big = run(tmp_path, "big", "launcher.nproc_per_node=1", "data.batch_size=16")
     assert summary["global_batch_size"] == 16
-    assert "global batch 16 = 8 per rank x 1 ranks x 2 accumulation" in (
-        tmp_path / "accum" / "train.log"
-    ).read_text()
+    assert (
+        "global batch 16 = 8 per rank x 1 ranks x 2 accumulation"
+        in (tmp_path / "accum" / "train.log").read_text()
+    )
     torch.testing.assert_close(accum, big, rtol=1e-5, atol=0)
 
 
