@@ -301,39 +301,17 @@ def test_an_elastic_job_keeps_its_global_batch_as_a_node_joins_and_is_lost(two_h
     the group restarts bigger by itself (2 ranks x 1); node b is killed and node a finishes
     alone from the newest checkpoint. Every step's loss equals an uninterrupted one-rank run's
     with the same global batch."""
-    run_dir, gate = tmp_path / "run", tmp_path / "gate"
-    gate.touch()
-    faults = {FAULT_ENV: "hold:0:9", GATE_ENV: str(gate)}
-    nodes = {}
-    log_file = run_dir / "train.log"
-    try:
-        nodes["a"] = _start_node("a", two_hosts["a"], run_dir, tmp_path, False, CONSTANT, faults)
-        _wait_for(lambda: "world_size=1" in _text(log_file), nodes["a"], 180, "node a alone")
-        nodes["b"] = _start_node("b", two_hosts["b"], run_dir, tmp_path, False, CONSTANT, faults)
-        _wait_for(lambda: "world_size=2" in _text(log_file), nodes["a"], 180, "node b joining")
-        joined = int(re.findall(r"at step (\d+)", _text(log_file))[-1])
-        newer = run_dir / "checkpoints" / f"step_{(joined // 4 + 1) * 4:08d}.pt"
-        _wait_for(newer.exists, nodes["a"], 120, "a checkpoint on 2 ranks")
-        _kill_node(two_hosts["b"])
-        gate.unlink()  # node a's rank goes on, finds its peer gone, and restarts alone
-        nodes["a"].wait(timeout=180)
-    finally:
-        for node in nodes.values():
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
-    output = (tmp_path / "node_a.out").read_text()
-    assert nodes["a"].returncode == 0, output[-4000:]
-    log = log_file.read_text()
-    rounds = re.findall(r"world_size=(\d) .*global batch (64 = 32 per rank x \d ranks x \d)", log)
-    assert [world for world, _ in rounds] == ["1", "2", "1"], log[-3000:]
-    assert [layout for _, layout in rounds][:2] == [
-        "64 = 32 per rank x 1 ranks x 2",
-        "64 = 32 per rank x 2 ranks x 1",
-    ]
-    # The join stopped the ranks with a checkpoint, and said that the job goes on by itself.
+    run_dir = tmp_path / "run"
+    joined = _join_then_lose_node_b(two_hosts, run_dir, tmp_path)
+    log = (run_dir / "train.log").read_text()
+    rounds = re.findall(r"world_size=\d .*global batch (64 = 32 per rank x \d ranks x \d)", log)
+    assert rounds == [f"64 = 32 per rank x {n} ranks x {3 - n}" for n in (1, 2, 1)], log[-3000:]
+    # The join stopped the ranks with a checkpoint of the step reached, and said that the job
+    # goes on by itself; the loss resumed from a checkpoint the 2 ranks wrote.
     assert "the agent restarts them by itself from this checkpoint" in log
     assert "To continue" not in log, log[-3000:]
+    resumed = [int(step) for step in re.findall(r"resumed from \S+ at step (\d+)", log)]
+    assert resumed[0] == joined < resumed[1], log[-3000:]
     events = [e for e in read_metrics(run_dir) if "train/loss" in e]
     assert [e["step"] for e in events] == list(range(1, 31))
     reference = tmp_path / "reference"
@@ -345,6 +323,33 @@ def test_an_elastic_job_keeps_its_global_batch_as_a_node_joins_and_is_lost(two_h
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
     time.sleep(1)
     assert not processes_mentioning(str(tmp_path))
+
+
+def _join_then_lose_node_b(two_hosts: dict[str, str], run_dir: Path, cwd: Path) -> int:
+    """Node a alone, node b joining, node b killed after a checkpoint of the 2-rank round;
+    node a's exit checked. Returns the step the join stopped the lone rank at."""
+    gate, log_file = cwd / "gate", run_dir / "train.log"
+    gate.touch()
+    faults = {FAULT_ENV: "hold:0:9", GATE_ENV: str(gate)}
+    nodes = {}
+    try:
+        nodes["a"] = _start_node("a", two_hosts["a"], run_dir, cwd, False, CONSTANT, faults)
+        _wait_for(lambda: "world_size=1" in _text(log_file), nodes["a"], 180, "node a alone")
+        nodes["b"] = _start_node("b", two_hosts["b"], run_dir, cwd, False, CONSTANT, faults)
+        _wait_for(lambda: "world_size=2" in _text(log_file), nodes["a"], 180, "node b joining")
+        joined = int(re.findall(r"stopped on SIGTERM at step (\d+)", _text(log_file))[0])
+        newer = run_dir / "checkpoints" / f"step_{(joined // 4 + 1) * 4:08d}.pt"
+        _wait_for(newer.exists, nodes["a"], 120, "a checkpoint on 2 ranks")
+        _kill_node(two_hosts["b"])
+        gate.unlink()  # node a's rank goes on, finds its peer gone, and restarts alone
+        nodes["a"].wait(timeout=180)
+    finally:
+        for node in nodes.values():
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    assert nodes["a"].returncode == 0, (cwd / "node_a.out").read_text()[-4000:]
+    return joined
 
 
 def _text(path: Path) -> str:
