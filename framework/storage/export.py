@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import weakref
@@ -34,7 +35,7 @@ from safetensors.torch import save_file
 
 from framework.core.exits import CheckpointError, ExitCode
 from framework.storage.checkpoint import read
-from framework.storage.files import atomic_write
+from framework.storage.files import atomic_write, fsync_dir
 from framework.storage.sharded import ShardedState
 
 SAFETENSORS = ".safetensors"
@@ -113,15 +114,33 @@ def export_safetensors(
     for group, path in zip(groups, paths, strict=True):
         tensors = _read_group(weights, group)
         held.add(tensors)
-        atomic_write(path, lambda file, t=tensors: save_file(t, file.name, {"format": "pt"}))
+        write_safetensors(path, tensors)
         weight_map.update(dict.fromkeys(group, path.name))
-        del tensors  # (and the lambda's default) before the next group is read
+        del tensors  # before the next group is read
     total = sum(sizes.values())
     if len(paths) > 1:
         record = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write(index, lambda file: file.write(json.dumps(record, indent=2).encode()))
         paths.append(index)
     return Exported(len(sizes), paths, total, held.peak)
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """safetensors' own writer, without a copy of the tensors in memory, into a temporary name
+    beside `path`; then made durable, given the mode a new file gets here (the writer makes its
+    files 0600) and renamed: `path` is whole or absent."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})  # Hugging Face's loaders ask
+        with open(tmp, "rb") as file:
+            os.fsync(file.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
 
 
 def tensor_sizes(weights: Mapping[str, Any] | ShardedState) -> dict[str, int]:

@@ -297,6 +297,11 @@ def test_tied_weights_export_to_safetensors_under_each_name(tmp_path):
     assert exported.files == [tmp_path / "model.safetensors"] and exported.tensors == 3
     loaded = load_file(tmp_path / "model.safetensors")
     assert all(torch.equal(loaded[name], tensor) for name, tensor in weights.items())
+    # Nothing left beside it, and the mode of any new file here (the library's writer makes 0600).
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 @pytest.mark.parametrize(
