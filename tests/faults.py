@@ -6,6 +6,8 @@ forward (1-based; with grad_accum=1 that is optimizer step <step>):
   hang            it sleeps (outside any collective) until killed
   kill            SIGKILL to itself; only in the first attempt of a torchrun job
   slow            it sleeps 0.3 s at this and every later step (time to act on a running job)
+  hold            at this and every later step it waits while the file FRAMEWORK_TEST_GATE
+                  names exists, until a stop signal comes (the test paces the job)
   SIGxxx          that signal to itself
   parent-SIGxxx   that signal to its launcher (`train`, or the torchrun agent)
   group-SIGINT    SIGINT to its whole process group, as a terminal's Ctrl-C does
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from framework.components.models import GPT, MLP
 
 FAULT_ENV = "FRAMEWORK_TEST_FAULT"
+GATE_ENV = "FRAMEWORK_TEST_GATE"
 
 
 class _Faults:
@@ -45,7 +48,7 @@ class _Faults:
             return None
         kind, rank, step = self.fault.split(":")
         this_rank = dist.get_rank() if dist.is_initialized() else 0
-        due = self.calls >= int(step) if kind == "slow" else self.calls == int(step)
+        due = self.calls >= int(step) if kind in ("slow", "hold") else self.calls == int(step)
         return kind if this_rank == int(rank) and due else None
 
 
@@ -67,6 +70,21 @@ class FaultyMLP(_Faults, MLP):
                 return super().forward(x) * float("nan")
             if kind:
                 _act(kind)
+        return super().forward(x)
+
+
+class SteadyMLP(_Faults, MLP):
+    """framework.components.models.MLP and the injected fault, without FaultyMLP's noise: its
+    losses depend only on which samples each step sees, not on which rank drew which random
+    numbers (a job that changes its number of ranks is compared with one that does not)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_faults()
+
+    def forward(self, x):
+        if self.training and (kind := self._fault_due()):
+            _act(kind)
         return super().forward(x)
 
 
@@ -98,6 +116,9 @@ def _act(kind: str) -> None:
     if kind == "slow":
         time.sleep(0.3)
         return
+    if kind == "hold":
+        _hold()
+        return
     if kind == "hang":
         while True:
             time.sleep(3600)
@@ -112,6 +133,16 @@ def _act(kind: str) -> None:
     else:
         os.kill(os.getpid(), getattr(signal, kind))
     time.sleep(0.2)  # let the signal land before this step's agreement
+
+
+def _hold() -> None:
+    """Wait while the gate file exists; a stop signal (the elastic agent stopping the ranks to
+    restart them) ends the wait, so the rank can save and stop."""
+    from framework.rank.stopping import received_signals
+
+    gate = os.environ[GATE_ENV]
+    while os.path.exists(gate) and not received_signals():
+        time.sleep(0.05)
 
 
 def _launcher() -> int:

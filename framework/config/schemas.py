@@ -102,7 +102,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     _target_: str = MISSING  # a function returning framework.components.data.Splits
-    # per rank; global batch = batch_size * world_size * grad_accum
+    # per rank; global batch = batch_size * world_size * grad_accum (trainer.global_batch_size)
     batch_size: int = setting(32, eval_may_differ=True)
     eval_batch_size: int = setting(256, resumable=True, eval_may_differ=True)
     num_workers: int = setting(0, resumable=True, eval_may_differ=True)
@@ -291,6 +291,10 @@ class TrainerConfig:
     max_steps: int | None = setting(None, resumable=True)
     max_epochs: int | None = setting(15, resumable=True)
     grad_accum: int = 1  # micro-batches per optimizer step
+    # Samples per optimizer step over all ranks; null: data.batch_size x ranks x grad_accum.
+    # Set, grad_accum is derived from it for the job's number of ranks (leave grad_accum at 1),
+    # so an elastic job that loses or gains a node keeps it (framework/config/batch.py).
+    global_batch_size: int | None = None
     clip_grad_norm: float | None = None
     eval_every: int = setting(0, resumable=True)  # steps between evaluations; 0 = only at the end
     log_every: int = setting(10, resumable=True)  # steps between metric events

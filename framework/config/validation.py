@@ -17,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from framework.config import batch
 from framework.config import schemas as s
 from framework.config.option_keys import check_target_keys
 from framework.config.registry import shipped_choice, shipped_targets
@@ -84,6 +85,7 @@ def validate(cfg: DictConfig) -> None:
         "(1 = one process, 2 = two local ranks, ...)",
     )
     require(cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size} must be >= 1")
+    _check_global_batch(cfg)
     require(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers} must be >= 0")
     require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
     for pattern, multiplier in (cfg.optimizer.get("lr_multipliers") or {}).items():
@@ -231,6 +233,39 @@ def _check_trainer(t: DictConfig) -> None:
         steps == [] or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
         f"trainer.profile_steps={steps} is invalid: give [first, last] optimizer steps, "
         "e.g. [10, 12], or [] (off)",
+    )
+
+
+def _check_global_batch(cfg: DictConfig) -> None:
+    """trainer.global_batch_size divides into per-rank batches at every number of ranks this
+    job can have (an elastic range: each of them), so no round of it is refused mid-run."""
+    wanted, per_rank = cfg.trainer.global_batch_size, cfg.data.batch_size
+    if wanted is None:
+        return
+    require(wanted >= 1, f"trainer.global_batch_size={wanted} must be >= 1 (or null)")
+    require(
+        cfg.trainer.grad_accum == 1,
+        f"trainer.grad_accum={cfg.trainer.grad_accum} with trainer.global_batch_size={wanted}: "
+        "the accumulation is derived from the global batch; leave trainer.grad_accum at 1, or "
+        "set trainer.global_batch_size=null",
+    )
+    batch.check(wanted, per_rank, *world_sizes(cfg))
+
+
+def world_sizes(cfg: DictConfig) -> tuple[list[int], str]:
+    """The numbers of ranks the job can run on, and where they come from (for a message)."""
+    here = launch_context.current()
+    if isinstance(here, launch_context.TorchElastic | launch_context.SubmititTask):
+        return [here.dist_env().world_size], "this job's WORLD_SIZE"
+    launcher = cfg.launcher
+    nproc = launcher.nproc_per_node
+    if launcher.name == "torchrun":
+        low, high = node_range(launcher.nnodes)
+        where = f"launcher.nnodes={launcher.nnodes} x launcher.nproc_per_node={nproc}"
+        return [nodes * nproc for nodes in range(low, high + 1)], where
+    nodes = launcher.get("nodes", 1)
+    return [nodes * nproc], f"launcher.nproc_per_node={nproc}" + (
+        f" x launcher.nodes={nodes}" if nodes > 1 else ""
     )
 
 

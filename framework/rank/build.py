@@ -36,6 +36,7 @@ from framework.components.utilization import (
     device_peak_tflops,
     micro_batch_flops,
 )
+from framework.config import batch
 from framework.config.schemas import TrainerConfig
 from framework.config.validation import resolve_monitor
 from framework.core import startup_clock
@@ -71,6 +72,10 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
     """Task, data, precision and model, the same initial weights on every rank, and the task
     checked on a real training batch."""
     trainer: TrainerConfig = OmegaConf.to_object(cfg.trainer)
+    # For this round's number of ranks: an elastic job that shrinks or grows keeps the global
+    # batch trainer.global_batch_size asked for.
+    accumulation = batch.grad_accum(trainer, cfg.data.batch_size, env.world_size)
+    trainer = dataclasses.replace(trainer, grad_accum=accumulation)
     global_batch_size = cfg.data.batch_size * env.world_size * trainer.grad_accum
     seed_everything(trainer.seed)  # same seed on every rank: identical initial weights
     log.info("Instantiating task <%s>", cfg.task._target_)

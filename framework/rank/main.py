@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.components.loggers import build_sink, setup_logging
+from framework.config import batch
 from framework.config.redaction import redacted_container
 from framework.config.registry import shipped_targets
 from framework.config.resume_rules import training_settings
@@ -80,7 +81,7 @@ def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[
             return train(cfg, parts, run, env, backend, requests)
     except Stopped as stop:
         if env.is_main:
-            log.warning("%s. %s", stop, RunDir(run_dir).resume_hint(cfg))
+            log.warning("%s. %s", stop, stop_hint(cfg, run_dir, env))
         raise
     except NonFiniteLoss as error:
         if env.is_main:
@@ -90,10 +91,25 @@ def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[
         requests.uninstall()
 
 
+def stop_hint(cfg: DictConfig, run_dir: Path, env: DistEnv) -> str:
+    """What comes after a stop. A worker of torch's elastic agent is also stopped this way when
+    a node joins or leaves (or a peer failed and restarts are left): the agent then restarts
+    the ranks itself, and this rank cannot tell that from a stop of the whole job."""
+    hint = RunDir(run_dir).resume_hint(cfg)
+    if env.source not in ("elastic", "torchrun"):
+        return hint
+    return (
+        "When a node joins or leaves, torchrun's elastic agent stops the ranks this way and "
+        "the agent restarts them by itself from this checkpoint: the job goes on. If the whole "
+        f"job was stopped instead: {hint[0].lower()}{hint[1:]}"
+    )
+
+
 def log_layout(
     cfg: DictConfig, env: DistEnv, device: torch.device, backend: str, run: RunDir
 ) -> None:
-    per_rank, accumulation = cfg.data.batch_size, cfg.trainer.grad_accum
+    per_rank = cfg.data.batch_size
+    accumulation = batch.grad_accum(cfg.trainer, per_rank, env.world_size)
     log.info(
         "world_size=%d backend=%s device=%s | global batch %d = %d per rank x %d ranks x %d "
         "accumulation steps | run dir %s",

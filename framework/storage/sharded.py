@@ -216,15 +216,30 @@ class ShardedState:
     def whole(self) -> Any:
         """On one process, without a process group: every tensor whole, allocated from the
         index (export)."""
+        tensors = self.read(marked(self.skeleton, self.prefix))
+        return join(self.skeleton, tensors, self.prefix)
+
+    def entries(self) -> dict[str, TensorStorageMetadata]:
+        """Every tensor's global shape and dtype from the index, by its key, in the skeleton's
+        order; nothing is read."""
         entries = index(self.folder).state_dict_metadata
-        tensors = {}
+        found = {}
         for key in marked(self.skeleton, self.prefix):
             entry = entries.get(key)
             if not isinstance(entry, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint {self.folder} has no tensor {key}")
-            tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+            found[key] = entry
+        return found
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """On one process, without a process group: these tensors whole (and no other one),
+        allocated from the index and read from every rank's files."""
+        entries = self.entries()
+        tensors = {
+            key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys
+        }
         _read_into(tensors, self.folder)
-        return join(self.skeleton, tensors, self.prefix)
+        return tensors
 
 
 def _read_into(tensors: dict[str, torch.Tensor], folder: Path) -> None:

@@ -34,10 +34,20 @@ def test_two_ranks_at_batch_b_match_one_rank_at_batch_2b(tmp_path):
 
 
 def test_grad_accumulation_matches_the_larger_batch(tmp_path):
-    _, accum = run(
-        tmp_path, "accum", "launcher.nproc_per_node=1", "data.batch_size=8", "trainer.grad_accum=2"
+    """The accumulation derived from trainer.global_batch_size: 16 / (8 per rank x 1 rank)."""
+    summary, accum = run(
+        tmp_path,
+        "accum",
+        "launcher.nproc_per_node=1",
+        "data.batch_size=8",
+        "trainer.global_batch_size=16",
     )
     _, big = run(tmp_path, "big", "launcher.nproc_per_node=1", "data.batch_size=16")
+    assert summary["global_batch_size"] == 16
+    assert (
+        "global batch 16 = 8 per rank x 1 ranks x 2 accumulation"
+        in (tmp_path / "accum" / "train.log").read_text()
+    )
     torch.testing.assert_close(accum, big, rtol=1e-5, atol=0)
 
 

@@ -138,9 +138,15 @@ def test_a_crafted_index_is_refused_and_never_executed(tmp_path):
     assert not list(tmp_path.rglob("PWNED"))
 
 
-def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(tmp_path):
-    run_dir = tmp_path / "run"
-    trained = train(run_dir, 8)
+@pytest.fixture(scope="module")
+def trained_fsdp(tmp_path_factory) -> tuple[Path, dict]:
+    """A 2-rank fsdp run of 8 steps: its run dir (sharded checkpoints) and summary."""
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    return run_dir, train(run_dir, 8)
+
+
+def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(tmp_path, trained_fsdp):
+    run_dir, trained = trained_fsdp
     checkpoint = run_dir / "checkpoints" / "last.pt"
     for ranks in (1, 3):
         summary = train_in_process(
@@ -166,3 +172,46 @@ def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(tmp_pa
         assert torch.equal(state[name], tensor)
     again = subprocess.run([*export], capture_output=True, text=True, cwd=tmp_path)
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_a_sharded_checkpoint_exports_to_safetensors_one_file_of_tensors_at_a_time(
+    tmp_path, trained_fsdp, capsys
+):
+    """framework-export into safetensors files of at most 100 kB of tensors (the MLP's 128 kB
+    matrix alone in one): every tensor bit for bit, Hugging Face's index, and never more than
+    one file's tensors held at once (the exporter's weak references count what is alive)."""
+    from safetensors.torch import load_file
+
+    from framework.storage.export import export, main
+
+    checkpoint = trained_fsdp[0] / "checkpoints" / "last.pt"
+    assert checkpoint.resolve().suffix == ".dcp"
+    expected = weights(checkpoint)
+    exported = export(checkpoint, tmp_path / "model.safetensors", max_shard_bytes=100_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    loaded = {name: load_file(tmp_path / name) for name in files}
+    got = {key: tensor for part in loaded.values() for key, tensor in part.items()}
+    assert got.keys() == expected.keys() and len(got) == exported.tensors
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        assert index["weight_map"][name] in [f for f, part in loaded.items() if name in part]
+    per_file = [sum(t.nbytes for t in part.values()) for part in loaded.values()]
+    assert index["metadata"]["total_size"] == sum(per_file) == exported.total_bytes
+    largest = max(t.nbytes for t in expected.values())
+    assert all(size <= 100_000 or size == largest for size in per_file)
+    assert exported.peak_bytes == max(per_file) < exported.total_bytes
+
+    # One file when it fits (the default limit: 2 GB); the command says what it wrote and held.
+    (tmp_path / "one").mkdir()
+    main([str(checkpoint), str(tmp_path / "one" / "model.safetensors")])
+    assert (
+        "6 tensors, 0.2 MB in 1 file(s); at most 0.2 MB of tensors held" in capsys.readouterr().out
+    )
+    assert [p.name for p in (tmp_path / "one").iterdir()] == ["model.safetensors"]
+    whole = load_file(tmp_path / "one" / "model.safetensors")
+    assert all(torch.equal(whole[name], tensor) for name, tensor in expected.items())
+    with pytest.raises(SystemExit) as refused:  # nothing is overwritten
+        main([str(checkpoint), str(tmp_path / "model.safetensors"), "--max-shard-size=100kB"])
+    assert refused.value.code == 2 and "already exists" in capsys.readouterr().err

@@ -15,9 +15,19 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import DIST_ENV_VARS, FAULTS, REPO, read_metrics, run_cli, train_losses
-from tests.faults import FAULT_ENV, assert_same_weights, final_weights
+from tests.conftest import (
+    DIST_ENV_VARS,
+    FAULTS,
+    REPO,
+    make_cfg,
+    read_metrics,
+    run_cli,
+    train_in_process,
+    train_losses,
+)
+from tests.faults import FAULT_ENV, GATE_ENV, assert_same_weights, final_weights
 from tests.integration.test_faults import processes_mentioning
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -134,17 +144,23 @@ RENDEZVOUS = (
 
 
 def _start_node(
-    host: str, namespace: str, run_dir: Path, cwd: Path, script: bool
+    host: str,
+    namespace: str,
+    run_dir: Path,
+    cwd: Path,
+    script: bool,
+    job: tuple[str, ...] = ELASTIC,
+    faults: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """`train launcher=torchrun ...` on one node, or (script) launchers/torchrun.sh with the
-    same settings in its environment variables."""
+    same settings in its environment variables; `faults`: the FRAMEWORK_TEST_* variables."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
     env.update(
         PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
         PYTHONPATH=str(REPO),
         OMP_NUM_THREADS="1",
         GLOO_SOCKET_IFNAME=namespace,
-        FRAMEWORK_TEST_FAULT="slow:0:5",
+        **(faults or {FAULT_ENV: "slow:0:5"}),
     )
     if script:  # its run dir is outputs/torchrun/<RUN_ID> in the (shared) working dir
         env.update(
@@ -157,9 +173,9 @@ def _start_node(
             RDZV_HOST="1" if host == "a" else "0",
             RDZV_CONF="last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
         )
-        command = ["bash", str(REPO / "launchers" / "torchrun.sh"), *ELASTIC]
+        command = ["bash", str(REPO / "launchers" / "torchrun.sh"), *job]
     else:
-        command = [sys.executable, "-m", "framework.cli", *ELASTIC, *RENDEZVOUS]
+        command = [sys.executable, "-m", "framework.cli", *job, *RENDEZVOUS]
         command += [
             f"launcher.local_addr={HOSTS[host]}",
             f"launcher.rdzv_host={str(host == 'a').lower()}",
@@ -261,3 +277,80 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint
     print(f"{launch}, node {loss} -> the survivor's rank started again: {delay:.1f} s")
     time.sleep(1)
     assert not processes_mentioning(str(tmp_path))
+
+
+# An elastic job with a constant global batch (trainer.global_batch_size): 64 samples per step =
+# 32 per rank x 2 ranks, or x 1 rank x 2 accumulation steps; 4 steps per epoch either way.
+# Rank 0 holds at each step from its 9th micro-batch while the gate file exists (tests/faults.py).
+CONSTANT = (
+    *FAULTS,
+    "model._target_=tests.faults.SteadyMLP",  # no per-rank noise: the samples decide the losses
+    "data.batch_size=32",
+    "trainer.global_batch_size=64",
+    "trainer.max_steps=30",
+    "checkpoint.every=4",
+    "checkpoint.keep=100",
+    # A joining node's rank may start long after the others (its fork server still importing):
+    # they wait for it. The lost node is killed, so its peer's collective fails at once.
+    "dist.timeout_s=120",
+)
+
+
+def test_an_elastic_job_keeps_its_global_batch_as_a_node_joins_and_is_lost(two_hosts, tmp_path):
+    """Node a trains alone (1 rank x 2 accumulation steps) and holds; node b joins later and
+    the group restarts bigger by itself (2 ranks x 1); node b is killed and node a finishes
+    alone from the newest checkpoint. Every step's loss equals an uninterrupted one-rank run's
+    with the same global batch."""
+    run_dir = tmp_path / "run"
+    joined = _join_then_lose_node_b(two_hosts, run_dir, tmp_path)
+    log = (run_dir / "train.log").read_text()
+    rounds = re.findall(r"world_size=\d .*global batch (64 = 32 per rank x \d ranks x \d)", log)
+    assert rounds == [f"64 = 32 per rank x {n} ranks x {3 - n}" for n in (1, 2, 1)], log[-3000:]
+    # The join stopped the ranks with a checkpoint of the step reached, and said that the job
+    # goes on by itself; the loss resumed from a checkpoint the 2 ranks wrote.
+    assert "the agent restarts them by itself from this checkpoint" in log
+    assert "To continue" not in log, log[-3000:]
+    resumed = [int(step) for step in re.findall(r"resumed from \S+ at step (\d+)", log)]
+    assert resumed[0] == joined < resumed[1], log[-3000:]
+    events = [e for e in read_metrics(run_dir) if "train/loss" in e]
+    assert [e["step"] for e in events] == list(range(1, 31))
+    reference = tmp_path / "reference"
+    train_in_process(make_cfg(*CONSTANT, "launcher.nproc_per_node=1"), reference)
+    expected = train_losses(reference)
+    losses = [e["train/loss"] for e in events]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected, strict=True))
+    print(f"largest relative difference from the uninterrupted run: {worst:.2e}")
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+    time.sleep(1)
+    assert not processes_mentioning(str(tmp_path))
+
+
+def _join_then_lose_node_b(two_hosts: dict[str, str], run_dir: Path, cwd: Path) -> int:
+    """Node a alone, node b joining, node b killed after a checkpoint of the 2-rank round;
+    node a's exit checked. Returns the step the join stopped the lone rank at."""
+    gate, log_file = cwd / "gate", run_dir / "train.log"
+    gate.touch()
+    faults = {FAULT_ENV: "hold:0:9", GATE_ENV: str(gate)}
+    nodes = {}
+    try:
+        nodes["a"] = _start_node("a", two_hosts["a"], run_dir, cwd, False, CONSTANT, faults)
+        _wait_for(lambda: "world_size=1" in _text(log_file), nodes["a"], 180, "node a alone")
+        nodes["b"] = _start_node("b", two_hosts["b"], run_dir, cwd, False, CONSTANT, faults)
+        _wait_for(lambda: "world_size=2" in _text(log_file), nodes["a"], 180, "node b joining")
+        joined = int(re.findall(r"stopped on SIGTERM at step (\d+)", _text(log_file))[0])
+        newer = run_dir / "checkpoints" / f"step_{(joined // 4 + 1) * 4:08d}.pt"
+        _wait_for(newer.exists, nodes["a"], 120, "a checkpoint on 2 ranks")
+        _kill_node(two_hosts["b"])
+        gate.unlink()  # node a's rank goes on, finds its peer gone, and restarts alone
+        nodes["a"].wait(timeout=180)
+    finally:
+        for node in nodes.values():
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    assert nodes["a"].returncode == 0, (cwd / "node_a.out").read_text()[-4000:]
+    return joined
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

@@ -282,3 +282,39 @@ def test_a_sharded_save_past_a_file_size_limit_says_so_and_keeps_the_previous_on
     assert [p.name for _, p in step_files(tmp_path)] == ["step_00000001.dcp"]
     assert os.readlink(tmp_path / "last.pt") == "step_00000001.dcp"
     assert read(tmp_path / "last.pt")["step"] == 1
+
+
+def test_tied_weights_export_to_safetensors_under_each_name(tmp_path):
+    """A GPT's input and output embeddings share one tensor; safetensors refuses shared memory
+    in a file, so each name gets its own copy, equal to it."""
+    from safetensors.torch import load_file
+
+    from framework.storage.export import export_safetensors
+
+    shared = torch.randn(4, 3)
+    weights = {"tokens.weight": shared, "head.weight": shared, "bias": torch.zeros(3)}
+    exported = export_safetensors(weights, tmp_path / "model.safetensors", 10**9)
+    assert exported.files == [tmp_path / "model.safetensors"] and exported.tensors == 3
+    loaded = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in weights.items())
+    # Nothing left beside it, and the mode of any new file here (the library's writer makes 0600).
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+@pytest.mark.parametrize(
+    ("output", "option", "said"),
+    [
+        ("model.pt", "--max-shard-size=2GB", "splits safetensors files: name the output"),
+        ("model.safetensors", "--max-shard-size=lots", "--max-shard-size=lots is no size"),
+    ],
+)
+def test_export_refuses_a_shard_size_it_cannot_use(tmp_path, capsys, output, option, said):
+    from framework.storage.export import main
+
+    with pytest.raises(SystemExit) as refused:
+        main([str(tmp_path / "missing.pt"), str(tmp_path / output), option])
+    assert refused.value.code == 2 and said in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

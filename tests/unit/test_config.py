@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.components.data import load_splits
 from framework.components.optim import build_optimizer, scaled_lr
-from framework.config import schemas, validate
+from framework.config import batch, schemas, validate
 from framework.config.registry import GROUP_BASES
 from framework.config.resume_rules import must_match_in_eval, resumable_keys, training_settings
 from framework.config.validation import node_range
@@ -140,6 +140,24 @@ def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
     validate(make_cfg("model._target_=torchvision.models.resnet18", "+model.zero_init_residual=1"))
 
 
+ELASTIC_1_3 = (
+    "launcher=torchrun",
+    "launcher.nnodes=1:3",
+    "launcher.nproc_per_node=1",
+    "launcher.max_restarts=1",
+)
+
+
+def test_the_accumulation_follows_the_number_of_ranks_to_keep_the_global_batch():
+    cfg = make_cfg(*ELASTIC_1_3, "data.batch_size=16", "trainer.global_batch_size=96")
+    validate(cfg)  # 96 = 16 x 1 x 6 = 16 x 2 x 3 = 16 x 3 x 2
+    assert [batch.grad_accum(cfg.trainer, 16, ranks) for ranks in (1, 2, 3)] == [6, 3, 2]
+    with pytest.raises(ConfigError, match="16 x 4 ranks .* a multiple of 64"):
+        batch.grad_accum(cfg.trainer, 16, 4)  # (a world size the range rules out)
+    unset = make_cfg("trainer.grad_accum=3")
+    assert batch.grad_accum(unset.trainer, 16, 4) == 3  # null: the global batch follows
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
@@ -178,6 +196,11 @@ def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
         (["comm=powersgd", "comm.compress=fp8"], "not one of 'fp16', 'bf16'"),
         (["logger=wandb", "logger.wandb.mode=cloud"], "not one of 'auto', 'online', 'offline'"),
         (["optimizer.momentum=abc"], "optimizer.momentum='abc' is not of type float"),
+        # The accumulation is derived from trainer.global_batch_size: a whole number of
+        # per-rank batches x ranks at every size the job can take, an elastic range's included.
+        (["trainer.global_batch_size=64", "trainer.grad_accum=2"], "derived from the global"),
+        (["data.batch_size=24", "trainer.global_batch_size=64"], "batch_size=24 x 2 ranks"),
+        ([*ELASTIC_1_3, "data.batch_size=16", "trainer.global_batch_size=64"], "16 x 3 ranks"),
     ],
 )
 def test_cross_field_errors_name_the_setting(overrides, expected):
