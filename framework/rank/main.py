@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.components.loggers import build_sink, setup_logging
 from framework.config.redaction import redacted_container
 from framework.config.registry import shipped_targets
-from framework.config.resume_rules import training_settings
+from framework.config.resume_rules import changed_settings, training_settings
 from framework.config.schemas import CheckpointConfig
 from framework.config.validation import sharded_checkpoints
 from framework.core import startup_clock
@@ -136,7 +136,12 @@ def train(
     record = redacted_container(cfg)
     checkpoint: CheckpointConfig = OmegaConf.to_object(cfg.checkpoint)
     checkpointer = Checkpointer(
-        checkpoint, run.checkpoints, env, training_settings(record), sharded_checkpoints(cfg)
+        checkpoint,
+        run.checkpoints,
+        env,
+        training_settings(record),
+        sharded_checkpoints(cfg),
+        compare=changed_settings,
     )
     resumed = checkpointer.find_resume()
     if resumed and is_complete(resumed[1], parts.total_steps) and run.summary.exists():

@@ -52,11 +52,21 @@ def settings_hash(settings: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(settings.items())).encode()).hexdigest()
 
 
-def settings_differences(payload: Mapping, settings: Mapping[str, str]) -> list[str]:
+# Which keys differ between a checkpoint's settings and this run's (saved, now).
+Compare = Callable[[Mapping[str, str], Mapping[str, str]], list[str]]
+
+
+def plainly_changed(saved: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    return sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+
+
+def settings_differences(
+    payload: Mapping, settings: Mapping[str, str], compare: Compare = plainly_changed
+) -> list[str]:
     if payload["config_hash"] == settings_hash(settings):
         return []
     saved = payload["config"]
-    changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
+    changed = compare(saved, settings)
     return [
         f"{k}: {saved.get(k, '(absent)')} in the checkpoint, {settings.get(k, '(absent)')} now"
         for k in changed
@@ -378,10 +388,12 @@ class Checkpointer:
         env: DistEnv,
         settings: dict[str, str],
         sharded: bool = False,
+        compare: Compare = plainly_changed,
     ) -> None:
         self.cfg, self.env = cfg, env
         self.directory = directory
         self.settings = settings
+        self.compare = compare  # a key a checkpoint lacks may still be no change
         self.sharded = sharded  # checkpoint.format, resolved for the strategy
         self.logger_ids: dict[str, str] = {}  # a restart continues these logger runs
         self.last_path: Path | None = None
@@ -604,7 +616,7 @@ class Checkpointer:
                 self.env.world_size,
                 payload["world_size"],
             )
-        differences = settings_differences(payload, self.settings)
+        differences = settings_differences(payload, self.settings, self.compare)
         if differences and self.cfg.resume == "auto":
             raise CheckpointError(
                 f"{choice} was written by this run dir's run with other settings: "
