@@ -129,5 +129,6 @@ def _check_same_experiment(path: Path, payload: dict[str, Any], record: dict[str
     )
     raise CheckpointError(
         f"{path} was trained with other task, model or data settings: "
-        f"{shown}. Evaluate with the training command's settings{started}"
+        f"{shown}. Evaluate with the training command's settings{started}: `train mode=eval "
+        f"checkpoint.resume={path}` takes them from the run's record"
     )

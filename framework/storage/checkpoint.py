@@ -620,8 +620,9 @@ class Checkpointer:
         if differences and self.cfg.resume == "auto":
             raise CheckpointError(
                 f"{choice} was written by this run dir's run with other settings: "
-                f"{_shorten(differences)}. Resume with the original settings, or start a new "
-                "run in a new hydra.run.dir"
+                f"{_shorten(differences)}. Resume with the original settings (`train "
+                f"hydra.run.dir={self.directory.parent}` takes them from the run's record), or "
+                "start a new run in a new hydra.run.dir"
             )
         if differences and self.env.is_main:  # an explicit path: the user asked for this one
             log.warning(
