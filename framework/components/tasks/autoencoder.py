@@ -32,6 +32,7 @@ class Autoencoder(Task):
         kl_weight: float,
     ) -> None:
         self.vae, self.reconstruction, self.kl_weight = vae, reconstruction, kl_weight
+        self.logits_loss = "task.reconstruction=bce" if reconstruction == "bce" else None
         if vae:
             self.metrics = {"elbo": "max", "reconstruction": "min", "kl": "min"}
             self.states = ("reconstruction", "kl", "count")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick, require_logits
+from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick
 from framework.core.exits import ConfigError
 
 
@@ -20,6 +20,7 @@ class Classification(Task):
     metrics = {"accuracy": "max", "loss": "min"}
     states = ("loss", "correct", "count")
     reads = "(inputs, targets) with integer class labels"
+    logits_loss = "cross-entropy"
     fix = "for real-valued targets use task=regression; for token sequences task=language_model"
 
     def __init__(
@@ -97,7 +98,6 @@ class Classification(Task):
                 f"returns {logits.shape[1]} (shape {list(logits.shape)}): set the model's "
                 "num_classes, or use task=regression for a single real-valued output"
             )
-        require_logits(self.name, logits, "cross-entropy")
         valid = targets if self.ignore_index is None else targets[targets != self.ignore_index]
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= logits.shape[1]):
             raise ConfigError(

@@ -24,6 +24,8 @@ class LanguageModel(Task):
     metrics = {"loss": "min", "perplexity": "min", "bits_per_char": "min"}
     states = ("loss", "tokens")
     reads = "(inputs, targets) of token ids, [batch, time] each"
+    logits_loss = "cross-entropy"
+    logits_dim = -1
     fix = "pick a text data option (data=text), or task=classification for labelled inputs"
 
     def __init__(
