@@ -456,9 +456,9 @@ class OwnLogitsTask(VectorLoss):
 
 
 def test_a_task_that_declares_a_logits_loss_gets_the_logits_check():
-    with pytest.raises(ConfigError, match=r"task=own: .*cross-entropy takes logits"):
-        with torch.no_grad():
-            OwnLogitsTask().check(SoftmaxCNN().eval(), (images, labels))
+    refused = pytest.raises(ConfigError, match=r"task=own: .*cross-entropy takes logits")
+    with refused, torch.no_grad():
+        OwnLogitsTask().check(SoftmaxCNN().eval(), (images, labels))
     with torch.no_grad():
         OwnLogitsTask().check(SmallCNN(1, 10, 4).eval(), (images, labels))  # logits pass
 
@@ -485,8 +485,8 @@ def test_autoencoder_bce_on_a_model_ending_in_sigmoid_is_refused(vae):
     shape = {"in_channels": 1, "image_size": 8}
     model = SigmoidVAE(**option_values("model", "vae", **shape)) if vae else SigmoidAutoencoder()
     model = model.eval()
-    with pytest.raises(ConfigError, match=r"a final sigmoid\?\), but task.reconstruction=bce"):
-        with torch.no_grad():
-            Autoencoder(**values).check(model, pixels)
+    refused = pytest.raises(ConfigError, match=r"a final sigmoid\?\), but task.reconstruction=bce")
+    with refused, torch.no_grad():
+        Autoencoder(**values).check(model, pixels)
     with torch.no_grad():  # mse on the same model is what it is meant for
         Autoencoder(**{**values, "reconstruction": "mse"}).check(model, pixels)
