@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from framework.components.data import epoch_coverage
 from framework.components.loggers import build_sink, release_held_log, setup_logging
 from framework.config.redaction import redacted_container
 from framework.config.registry import shipped_targets
@@ -108,19 +109,6 @@ def log_layout(
     )
 
 
-def log_epoch_coverage(used: int, parts: Parts) -> None:
-    """data.drop_last drops what does not fill a global batch: said, where it drops any."""
-    total = len(parts.splits.train)  # type: ignore[arg-type]
-    if used < total:
-        log.info(
-            "an epoch uses %d of the %d training samples: data.drop_last=true drops the %d that "
-            "do not fill a global batch (other ones each epoch, when shuffled)",
-            used,
-            total,
-            total - used,
-        )
-
-
 def eval_request(cfg: DictConfig) -> EvalRequest:
     return EvalRequest(
         split=cfg.eval.split,
@@ -173,8 +161,8 @@ def train(
     try:
         outputs = Outputs(sink, checkpointer, profile_dir=run.path / "profile")
         runner = build_runner(cfg, parts, optimization, env, backend, requests, outputs)
-        if env.is_main:
-            log_epoch_coverage(runner.steps_per_epoch * runner.global_batch_size, parts)
+        if env.is_main and (dropped := epoch_coverage(parts.loaders.train, cfg.trainer.grad_accum)):
+            log.info("%s", dropped)
         if resumed:
             runner.load_checkpoint(*resumed)
             state = runner.state
