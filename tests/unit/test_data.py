@@ -20,8 +20,8 @@ from framework.components.data import (
     synthetic,
     train_loader,
 )
-from framework.core.launch_context import DistEnv
 from framework.config.registry import option_values
+from framework.core.launch_context import DistEnv
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
