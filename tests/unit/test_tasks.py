@@ -490,3 +490,49 @@ def test_autoencoder_bce_on_a_model_ending_in_sigmoid_is_refused(vae):
         Autoencoder(**values).check(model, pixels)
     with torch.no_grad():  # mse on the same model is what it is meant for
         Autoencoder(**{**values, "reconstruction": "mse"}).check(model, pixels)
+
+
+# --- evaluation states are added up in float64 ------------------------------------------------
+class Scaled(nn.Module):
+    def forward(self, x):
+        return x * 0.3
+
+
+@pytest.mark.parametrize(
+    ("task", "model", "data"),
+    [
+        (
+            Classification(**option_values("task", "classification")),
+            nn.Identity(),  # the inputs are the logits: each item's loss, whatever its batch
+            lambda g: (
+                torch.randn(3000, 10, generator=g) * 4,
+                torch.randint(0, 10, (3000,), generator=g),
+            ),
+        ),
+        (
+            LanguageModel(**option_values("task", "language_model")),
+            nn.Identity(),
+            lambda g: (
+                torch.randn(300, 10, 7, generator=g) * 4,
+                torch.randint(0, 7, (300, 10), generator=g),
+            ),
+        ),
+        (
+            Autoencoder(**option_values("task", "autoencoder")),
+            Scaled(),  # a reconstruction off by an item's own amount
+            lambda g: (torch.rand(3000, 1, 2, 2, generator=g) * 100,),
+        ),
+    ],
+)
+def test_evaluation_states_do_not_depend_on_how_the_items_are_batched(task, model, data):
+    """The same items in batches of 7 (as on one of several ranks) or in one batch: float32 sums
+    of the batches round differently (about 1e-7 relative); float64 ones agree to 1e-12."""
+    items = data(torch.Generator().manual_seed(0))
+    one = task.evaluate(model, items)
+    parts = [
+        task.evaluate(model, tuple(t[i : i + 7] for t in items)) for i in range(0, len(items[0]), 7)
+    ]
+    for name, value in one.items():
+        if value.is_floating_point():
+            batched = sum(float(part[name]) for part in parts)  # float64, as pack_states adds
+            assert batched == pytest.approx(float(value), rel=1e-12, abs=0), name

@@ -257,6 +257,13 @@ def require_logits(task: str, outputs: torch.Tensor, loss: str, class_dim: int =
     )
 
 
+def state_sum(values: torch.Tensor) -> torch.Tensor:
+    """A sum state from per-item values, added up in float64: evaluation sums the same items on
+    any number of ranks, only in other batches, and float32 sums of other batches round
+    differently (float64 keeps the difference below what the metrics show)."""
+    return values.double().sum()
+
+
 def repeated(batch: Any) -> Any:
     """The batch twice over, along its first dimension (every tensor, any nesting)."""
     if isinstance(batch, torch.Tensor):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick
+from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick, state_sum
 from framework.core.exits import ConfigError
 
 
@@ -35,11 +35,15 @@ class Classification(Task):
         return model(pick(batch, 0, "inputs")), pick(batch, 1, "targets")
 
     def _cross_entropy(
-        self, logits: torch.Tensor, targets: torch.Tensor, smoothing: float
+        self, logits: torch.Tensor, targets: torch.Tensor, smoothing: float, reduction: str = "sum"
     ) -> torch.Tensor:
         ignore = -100 if self.ignore_index is None else self.ignore_index
         return F.cross_entropy(
-            logits.float(), targets, reduction="sum", ignore_index=ignore, label_smoothing=smoothing
+            logits.float(),
+            targets,
+            reduction=reduction,
+            ignore_index=ignore,
+            label_smoothing=smoothing,
         )
 
     def count(self, batch: Any) -> Count:
@@ -60,7 +64,8 @@ class Classification(Task):
             else (targets != self.ignore_index)
         )
         return {
-            "loss": self._cross_entropy(logits, targets, 0.0),  # the plain loss, for comparison
+            # the plain loss, for comparison; per item, added up in float64
+            "loss": state_sum(self._cross_entropy(logits, targets, 0.0, reduction="none")),
             "correct": ((logits.argmax(dim=1) == targets) & valid).sum(),
             "count": valid.sum(),
         }
