@@ -315,7 +315,8 @@ class Runner:
 
     # --- evaluation -------------------------------------------------------------------------
     def evaluate(self, loader: DataLoader, split: str) -> dict[str, float]:
-        """The task's metrics over a whole split (`split/<metric>`), exact on any world size."""
+        """The task's metrics over a split (`split/<metric>`), the same on any world size; a
+        validation sees trainer.eval_batches batches per rank at most."""
         return evaluate(
             self.task,
             self.model.evaluated,
@@ -324,6 +325,7 @@ class Runner:
             self.to_device,
             split,
             lockstep=self.strategy.shards,
+            max_batches=self.trainer.eval_batches if split == "val" else None,
         )
 
     def periodic_evaluation(self) -> None:
