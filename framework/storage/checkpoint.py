@@ -211,13 +211,14 @@ def write_best(
     directory: Path, step: int, payload: dict[str, Any], score: float, maximize: bool, keep: int
 ) -> Path:
     """Save into <directory>/best/ with its score, keep the `keep` best, and point best.pt at
-    the best of them."""
+    the best of them; the log says where the new one ranks."""
     path = _save(directory / "best", step, payload, score=score)
-    _publish_best(directory, maximize, keep)
+    log.info("%s -> %s", best_line(step, score, _publish_best(directory, maximize, keep)), path)
     return path
 
 
-def _publish_best(directory: Path, maximize: bool, keep: int) -> None:
+def _publish_best(directory: Path, maximize: bool, keep: int) -> list[int]:
+    """Keep the `keep` best, point best.pt at the best; the kept steps, best first."""
     ranked = sorted(
         step_files(directory / "best"),
         reverse=maximize,
@@ -226,6 +227,20 @@ def _publish_best(directory: Path, maximize: bool, keep: int) -> None:
     for _, worse in ranked[keep:]:
         _drop(worse)
     _point(directory / "best.pt", f"best/{ranked[0][1].name}")
+    return [found_step for found_step, _ in ranked[:keep]]
+
+
+def best_line(step: int, score: float, kept: list[int]) -> str:
+    """What a save among the best checkpoints is: the best so far, one of the K best, or (with
+    a score that ties or trails all K) none of them."""
+    if kept and kept[0] == step:
+        return f"best checkpoint: step {step} ({score:.6g}), the best so far (best.pt)"
+    if step in kept:
+        return (
+            f"checkpoint among the {len(kept)} best: step {step} ({score:.6g}) is number "
+            f"{kept.index(step) + 1}; the best is still step {kept[0]} (best.pt)"
+        )
+    return f"checkpoint of step {step} ({score:.6g}) is not among the {len(kept)} best: dropped"
 
 
 def _score(path: Path, maximize: bool) -> float:
@@ -465,11 +480,9 @@ class Checkpointer:
         if self.env.is_main:
             payload = self._payload(step, shared(), states)
             if best is not None:
-                path = self._guard_save(
+                return self._guard_save(
                     step, lambda: write_best(self.directory, step, payload, *best, self.cfg.best)
                 )
-                log.info("best checkpoint: step %d (%.6g) -> %s", step, best[0], path)
-                return path
             self.last_path = self._guard_save(
                 step, lambda: write(self.directory, step, payload, self.cfg.keep)
             )
@@ -529,8 +542,8 @@ class Checkpointer:
                 return
             score, maximize = best
             self._guard_save(step, lambda: _seal(partial, step, score=score))
-            _publish_best(self.directory, maximize, self.cfg.best)
-            log.info("best checkpoint: step %d (%.6g) -> %s", step, score, final)
+            kept = _publish_best(self.directory, maximize, self.cfg.best)
+            log.info("%s -> %s", best_line(step, score, kept), final)
 
         if future is None:
             seal()
