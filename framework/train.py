@@ -89,6 +89,13 @@ def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:
         wandb.run_name = wandb.run_name or f"{job.num}-{job.override_dirname}"[:128]
 
 
+def _adopted_line(argv: list[str], record: Path, adopted: list[str]) -> str:
+    if "mode=eval" in argv:
+        return f"mode=eval: the training run's settings from {record}"
+    taken = " ".join(adopted) if adopted else "none besides this command's"
+    return f"resuming with the run's own overrides from {record}: {taken}"
+
+
 def main() -> None:
     startup_clock.mark("imports")
     here = launch_context.current()
@@ -98,11 +105,11 @@ def main() -> None:
     # Hydra instantiates its own node (callbacks, launcher, sweeper, logging factories) before
     # any callback of ours can look at it: check the command line and the node composed from
     # every config file before Hydra starts.
-    # mode=eval of a checkpoint: the training run's task, model, data and precision overrides
-    # lead the command line (checked below like any other).
-    sys.argv[1:], record = with_training_overrides(sys.argv[1:])
+    # mode=eval of a checkpoint, or a resume: the run's recorded overrides lead the command
+    # line (checked below like any other).
+    sys.argv[1:], record, adopted = with_training_overrides(sys.argv[1:])
     if record is not None and here.global_rank() == 0:
-        print(f"mode=eval: the training run's settings from {record}", file=sys.stderr)
+        print(_adopted_line(sys.argv[1:], record, adopted), file=sys.stderr)
     try:
         check_command_line(sys.argv[1:])
         if (text := help_text(sys.argv[1:])) is not None:

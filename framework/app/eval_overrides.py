@@ -1,10 +1,14 @@
-"""mode=eval without repeating the training command: what decides which examples and weights a
-checkpoint is evaluated on (the experiment, task, model, data and precision overrides, and EMA)
-comes from the training run's own record, `<run dir>/.hydra/overrides.yaml`.
+"""A run's own overrides, from its record (`<run dir>/.hydra/overrides.yaml`), so that a resume
+or an evaluation never needs its training command typed again.
 
-The command line may still set what an evaluation may change (eval.split, batch sizes,
-loggers, the launcher); an override of its own for a key the training run set wins, and the
-evaluation then compares it with the checkpoint's settings (run/evaluation.py), as before.
+- mode=eval of a checkpoint: what decides which examples and weights it is evaluated on (the
+  experiment, task, model, data and precision overrides, and EMA) comes from the training run.
+- A resume, from the run dir (`hydra.run.dir=<a run dir>`, a sweep's job dir too) or from a
+  checkpoint (`checkpoint.resume=<file>`): every override the run was started with.
+
+The command line may still set anything: an override of its own for a key the run set wins,
+and the checkpoint's settings are then compared with it (a resume refuses a change that alters
+training; an evaluation, one that alters the examples or the weights), as before.
 """
 
 from __future__ import annotations
@@ -14,29 +18,47 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from framework.core.allowlist import matches_prefix, parse_command_line, parse_overrides
+from framework.config.redaction import REDACTED
+from framework.core.allowlist import matches_prefix, parse_overrides, parsed_arguments
 
 # What the training run chose that decides the examples and the weights an evaluation sees.
 ADOPTED = ("experiment", "task", "model", "data", "precision", "trainer.ema_decay")
+# What a resume never takes from the record: it says what this command does.
+NOT_RESUMED = ("mode", "checkpoint.resume")
 RESUME_NOT_A_PATH = ("auto", "never", "last", "best")
 
 
-def with_training_overrides(argv: list[str]) -> tuple[list[str], Path | None]:
-    """argv, led by the training run's adopted overrides when it is a mode=eval of a
-    checkpoint whose run dir recorded them, and the record it read them from (else None)."""
-    overrides, _ = parse_command_line(argv)
+def with_training_overrides(argv: list[str]) -> tuple[list[str], Path | None, list[str]]:
+    """argv, led by the run's recorded overrides when it evaluates or resumes a run whose dir
+    recorded them; the record it read them from (else None) and the overrides it took."""
+    args = parsed_arguments(argv)
+    if args is None or args.multirun:  # a sweep's jobs take their overrides from the sweep
+        return argv, None, []
+    overrides = parse_overrides(args.overrides)
     values = {o.key_or_group: o.value() for o in overrides if not o.is_sweep_override()}
-    resume = values.get("checkpoint.resume")
-    if str(values.get("mode")) != "eval" or not isinstance(resume, str):
-        return argv, None
-    if resume in RESUME_NOT_A_PATH:
-        return argv, None
-    record = training_record(Path(resume).expanduser())
+    record, adopts = _record_of(values)
     if record is None:
-        return argv, None
+        return argv, None, []
     given = [override.key_or_group for override in overrides]
-    adopted = [line for line in _recorded(record) if not _overridden(line, given)]
-    return adopted + argv, record
+    adopted = [line for line in _recorded(record, adopts) if not _overridden(line, given)]
+    return adopted + argv, record, adopted
+
+
+def _record_of(values: dict[str, Any]) -> tuple[Path | None, Any]:
+    """The record a command continues from, and what it adopts of it (a test on a key)."""
+    resume, run_dir = values.get("checkpoint.resume"), values.get("hydra.run.dir")
+    explicit = isinstance(resume, str) and resume not in RESUME_NOT_A_PATH
+    if str(values.get("mode")) == "eval":
+        record = training_record(Path(resume).expanduser()) if explicit else None
+        return record, lambda key: matches_prefix(key, ADOPTED)
+    if explicit:
+        record = training_record(Path(resume).expanduser())
+    elif isinstance(run_dir, str) and resume != "never":
+        found = Path(run_dir).expanduser() / ".hydra" / "overrides.yaml"
+        record = found if found.is_file() else None
+    else:
+        record = None
+    return record, lambda key: not matches_prefix(key, NOT_RESUMED)
 
 
 def training_record(checkpoint: Path) -> Path | None:
@@ -49,7 +71,7 @@ def training_record(checkpoint: Path) -> Path | None:
     return None
 
 
-def _recorded(record: Path) -> list[str]:
+def _recorded(record: Path, adopts: Any) -> list[str]:
     try:
         lines = OmegaConf.to_container(OmegaConf.load(record))
     except Exception:  # noqa: BLE001 (a damaged record: nothing adopted, the evaluation compares as before)
@@ -60,8 +82,9 @@ def _recorded(record: Path) -> list[str]:
         str(line)
         for line in lines
         if (parsed := parse_overrides([str(line)]))
-        and matches_prefix(_key(parsed[0]), ADOPTED)
+        and adopts(_key(parsed[0]))
         and not parsed[0].is_sweep_override()
+        and REDACTED not in str(line)
     ]
 
 

@@ -430,6 +430,23 @@ def train_loader(
     return loader, sampler
 
 
+def epoch_coverage(loader: DataLoader, grad_accum: int) -> str | None:
+    """How many of the training samples an epoch uses, where data.drop_last drops some (the
+    samples that do not fill a global batch): None where it uses them all."""
+    sampler, batch = loader.sampler, loader.batch_size or 1
+    if not loader.drop_last or not isinstance(sampler, ResumableSampler):
+        return None
+    total, ranks = len(sampler.dataset), sampler.num_replicas  # type: ignore[arg-type]
+    steps = sampler.total_size // ranks // batch // grad_accum
+    used = steps * grad_accum * batch * ranks
+    if used >= total:
+        return None
+    return (
+        f"an epoch uses {used} of the {total} training samples: data.drop_last=true drops the "
+        f"{total - used} that do not fill a global batch (other ones each epoch, when shuffled)"
+    )
+
+
 def eval_loader(
     dataset: Dataset,
     data_cfg,

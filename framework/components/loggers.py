@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import logging.handlers
 import os
 import secrets
 import sys
@@ -381,7 +382,29 @@ def setup_logging(is_main: bool, rank: int, log_file: Path | None) -> None:
     root.addHandler(console)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     if is_main and log_file is not None:
-        file_handler = logging.FileHandler(log_file)
+        file_handler = logging.FileHandler(log_file, delay=True)
         file_handler.setFormatter(fmt)
         file_handler.addFilter(SecretFilter())
-        root.addHandler(file_handler)
+        # An existing run's log (a resume): held until the run is accepted, so that a refused
+        # start writes nothing into it.
+        root.addHandler(HeldLog(file_handler) if log_file.exists() else file_handler)
+
+
+class HeldLog(logging.handlers.MemoryHandler):
+    """Records kept in memory until `release_held_log` writes them to the file handler."""
+
+    def __init__(self, target: logging.Handler) -> None:
+        super().__init__(capacity=1 << 30, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+        self.held_for = target
+
+
+def release_held_log() -> None:
+    """The run is accepted: what its log held goes into the file, and the rest straight there."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, HeldLog):
+            handler.setTarget(handler.held_for)
+            handler.flush()
+            root.removeHandler(handler)
+            root.addHandler(handler.held_for)
+            handler.close()

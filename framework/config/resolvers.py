@@ -75,7 +75,7 @@ def group_listing(sources: Sequence[ConfigSource]) -> str:
     def walk(parent: str) -> None:
         for group in found(parent, ObjectType.GROUP):
             path = f"{parent}/{group}" if parent else group
-            if path in ("hydra", "schema"):
+            if path in ("hydra", "schema", "experiment_options"):  # not picked by users
                 continue
             options = found(path, ObjectType.CONFIG)
             if options:

@@ -297,6 +297,10 @@ class TrainerConfig:
     global_batch_size: int | None = None
     clip_grad_norm: float | None = None
     eval_every: int = setting(0, resumable=True)  # steps between evaluations; 0 = only at the end
+    # At most this many batches per rank (data.eval_batch_size each) in every validation of a
+    # training run, the final one included: the metrics are then those of the first batches of
+    # each rank's shard. null: the whole split. The test split and mode=eval always see it all.
+    eval_batches: int | None = setting(None, resumable=True)
     log_every: int = setting(10, resumable=True)  # steps between metric events
     seed: int = 0
     sync_batchnorm: bool = False

@@ -197,6 +197,10 @@ def _check_trainer(t: DictConfig) -> None:
         t.eval_every >= 0, f"trainer.eval_every={t.eval_every} is invalid: use 0 (end only) or >= 1"
     )
     require(
+        t.eval_batches is None or t.eval_batches >= 1,
+        f"trainer.eval_batches={t.eval_batches} is invalid: use >= 1, or null (the whole split)",
+    )
+    require(
         t.max_steps is not None or t.max_epochs is not None,
         "trainer.max_steps and trainer.max_epochs are both null: set at least one",
     )

@@ -33,6 +33,7 @@ class Parameter:
     name: str
     annotation: ast.expr | None  # as written; from __future__ annotations changes nothing here
     required: bool  # no default
+    default: ast.expr | None = None  # the default as written, where there is one
 
 
 @dataclass(frozen=True)
@@ -256,8 +257,18 @@ def _dataclass_signature(target: str, found: Definition, budget: int) -> Signatu
         if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
             name = statement.target.id
             annotation = _unaliased(statement.annotation, aliases)
-            parameters[name] = Parameter(name, annotation, statement.value is None)
+            parameters[name] = Parameter(
+                name, annotation, statement.value is None, _field_default(statement.value)
+            )
     return Signature(target, parameters, takes_kwargs=False)
+
+
+def _field_default(value: ast.expr | None) -> ast.expr | None:
+    """A dataclass field's default: `= 3`, or `= field(default=3)` (a factory is no literal)."""
+    if isinstance(value, ast.Call) and _dotted(value.func) in ("field", "dataclasses.field"):
+        given = {keyword.arg: keyword.value for keyword in value.keywords}
+        return given.get("default")
+    return value
 
 
 def _from_arguments(target: str, args: ast.arguments, aliases: dict[str, ast.expr]) -> Signature:
@@ -272,7 +283,7 @@ def _from_arguments(target: str, args: ast.arguments, aliases: dict[str, ast.exp
     ]
     named += list(zip(args.kwonlyargs, args.kw_defaults, strict=True))
     parameters = {
-        arg.arg: Parameter(arg.arg, _unaliased(arg.annotation, aliases), default is None)
+        arg.arg: Parameter(arg.arg, _unaliased(arg.annotation, aliases), default is None, default)
         for arg, default in named
     }
     return Signature(target, parameters, takes_kwargs=args.kwarg is not None)

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from framework.components.data import to_device
-from framework.config.resume_rules import must_match_in_eval, training_settings
+from framework.config.resume_rules import changed_settings, must_match_in_eval, training_settings
 from framework.config.validation import resolve_objective
 from framework.core.exits import CheckpointError, ConfigError
 from framework.core.launch_context import DistEnv
@@ -106,11 +106,7 @@ def _check_same_experiment(path: Path, payload: dict[str, Any], record: dict[str
     """The task, model and data settings must be the training run's: the keys differing are
     named, with the overrides the run was started with (its .hydra/overrides.yaml)."""
     now = training_settings(record)
-    differing = sorted(
-        key
-        for key in payload["config"].keys() | now.keys()
-        if must_match_in_eval(key) and payload["config"].get(key) != now.get(key)
-    )
+    differing = [key for key in changed_settings(payload["config"], now) if must_match_in_eval(key)]
     if not differing:
         return
     shown = "; ".join(
@@ -133,5 +129,6 @@ def _check_same_experiment(path: Path, payload: dict[str, Any], record: dict[str
     )
     raise CheckpointError(
         f"{path} was trained with other task, model or data settings: "
-        f"{shown}. Evaluate with the training command's settings{started}"
+        f"{shown}. Evaluate with the training command's settings{started}: `train mode=eval "
+        f"checkpoint.resume={path}` takes them from the run's record"
     )

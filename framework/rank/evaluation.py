@@ -3,6 +3,7 @@ on a checkpoint's weights: eval_mode.py)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,20 +28,23 @@ def evaluate(
     to_device: Callable[[Any], Any],
     split: str = "val",
     lockstep: bool = False,
+    max_batches: int | None = None,
 ) -> dict[str, float]:
     """The task's metrics over a whole split: every rank adds up the task's sum states over its
     shard (no padding, no duplicates) on the device, packed into one vector whatever their
     shapes (task.state_shapes), then one all-reduce of all of them.
     `lockstep`: a forward is a collective (strategy=fsdp gathers parameters), so a rank with
-    fewer batches runs its last one again, uncounted, until every rank has run as many."""
+    fewer batches runs its last one again, uncounted, until every rank has run as many.
+    `max_batches`: only this rank's first batches (trainer.eval_batches); None: all."""
     model.eval()
     shapes = {name: task.state_shapes.get(name, ()) for name in task.states}
     device = next(model.parameters()).device
     totals = pack_states(task, {name: torch.zeros(shapes[name]) for name in shapes}, shapes, device)
     # Counted before any forward: the count's all-reduce must not meet another rank's gather.
-    missing = _missing_forwards(len(loader), device) if lockstep else 0
+    batches = len(loader) if max_batches is None else min(len(loader), max_batches)
+    missing = _missing_forwards(batches, device) if lockstep else 0
     batch = None
-    for batch in loader:
+    for batch in itertools.islice(loader, batches):
         batch = to_device(batch)
         with precision.forward_context():
             states = task.evaluate(model, batch)

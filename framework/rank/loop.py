@@ -293,7 +293,10 @@ class Runner:
         return (step - 1) // max(self.steps_per_epoch, 1)
 
     def epochs_done(self) -> float:
-        return round(self.state.step / max(self.steps_per_epoch, 1), 4)
+        """Epochs of samples seen, whatever the world size of each step: the epochs completed
+        and the part of this one (a resume on other ranks changes the steps per epoch)."""
+        per_epoch = max(self.steps_per_epoch * self.global_batch_size, 1)
+        return round(self.state.epoch + self.state.samples_in_epoch / per_epoch, 4)
 
     def logs_at(self, step: int) -> bool:
         return step % self.trainer.log_every == 0 or step >= self.total_steps
@@ -312,7 +315,8 @@ class Runner:
 
     # --- evaluation -------------------------------------------------------------------------
     def evaluate(self, loader: DataLoader, split: str) -> dict[str, float]:
-        """The task's metrics over a whole split (`split/<metric>`), exact on any world size."""
+        """The task's metrics over a split (`split/<metric>`), the same on any world size; a
+        validation sees trainer.eval_batches batches per rank at most."""
         return evaluate(
             self.task,
             self.model.evaluated,
@@ -321,6 +325,7 @@ class Runner:
             self.to_device,
             split,
             lockstep=self.strategy.shards,
+            max_batches=self.trainer.eval_batches if split == "val" else None,
         )
 
     def periodic_evaluation(self) -> None:

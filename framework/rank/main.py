@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from framework.components.loggers import build_sink, setup_logging
+from framework.components.data import epoch_coverage
+from framework.components.loggers import build_sink, release_held_log, setup_logging
 from framework.config import batch
 from framework.config.redaction import redacted_container
 from framework.config.registry import shipped_targets
-from framework.config.resume_rules import training_settings
+from framework.config.resume_rules import changed_settings, training_settings
 from framework.config.schemas import CheckpointConfig
 from framework.config.validation import sharded_checkpoints
 from framework.core import startup_clock
@@ -152,7 +153,12 @@ def train(
     record = redacted_container(cfg)
     checkpoint: CheckpointConfig = OmegaConf.to_object(cfg.checkpoint)
     checkpointer = Checkpointer(
-        checkpoint, run.checkpoints, env, training_settings(record), sharded_checkpoints(cfg)
+        checkpoint,
+        run.checkpoints,
+        env,
+        training_settings(record),
+        sharded_checkpoints(cfg),
+        compare=changed_settings,
     )
     resumed = checkpointer.find_resume()
     if resumed and is_complete(resumed[1], parts.total_steps) and run.summary.exists():
@@ -171,6 +177,8 @@ def train(
     try:
         outputs = Outputs(sink, checkpointer, profile_dir=run.path / "profile")
         runner = build_runner(cfg, parts, optimization, env, backend, requests, outputs)
+        if env.is_main and (dropped := epoch_coverage(parts.loaders.train, cfg.trainer.grad_accum)):
+            log.info("%s", dropped)
         if resumed:
             runner.load_checkpoint(*resumed)
             state = runner.state
@@ -205,6 +213,7 @@ def _already_complete(
 
 def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:
     """The run goes ahead in this dir (a refused resume has changed nothing before this)."""
+    release_held_log()
     run.save_config(record)
     # A resume, or a restart (torchrun, SLURM requeue) that found no checkpoint: from 0.
     dropped = run.trim_metrics(kept_step)

@@ -52,11 +52,21 @@ def settings_hash(settings: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(sorted(settings.items())).encode()).hexdigest()
 
 
-def settings_differences(payload: Mapping, settings: Mapping[str, str]) -> list[str]:
+# Which keys differ between a checkpoint's settings and this run's (saved, now).
+Compare = Callable[[Mapping[str, str], Mapping[str, str]], list[str]]
+
+
+def plainly_changed(saved: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    return sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+
+
+def settings_differences(
+    payload: Mapping, settings: Mapping[str, str], compare: Compare = plainly_changed
+) -> list[str]:
     if payload["config_hash"] == settings_hash(settings):
         return []
     saved = payload["config"]
-    changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
+    changed = compare(saved, settings)
     return [
         f"{k}: {saved.get(k, '(absent)')} in the checkpoint, {settings.get(k, '(absent)')} now"
         for k in changed
@@ -201,13 +211,14 @@ def write_best(
     directory: Path, step: int, payload: dict[str, Any], score: float, maximize: bool, keep: int
 ) -> Path:
     """Save into <directory>/best/ with its score, keep the `keep` best, and point best.pt at
-    the best of them."""
+    the best of them; the log says where the new one ranks."""
     path = _save(directory / "best", step, payload, score=score)
-    _publish_best(directory, maximize, keep)
+    log.info("%s -> %s", best_line(step, score, _publish_best(directory, maximize, keep)), path)
     return path
 
 
-def _publish_best(directory: Path, maximize: bool, keep: int) -> None:
+def _publish_best(directory: Path, maximize: bool, keep: int) -> list[int]:
+    """Keep the `keep` best, point best.pt at the best; the kept steps, best first."""
     ranked = sorted(
         step_files(directory / "best"),
         reverse=maximize,
@@ -216,6 +227,20 @@ def _publish_best(directory: Path, maximize: bool, keep: int) -> None:
     for _, worse in ranked[keep:]:
         _drop(worse)
     _point(directory / "best.pt", f"best/{ranked[0][1].name}")
+    return [found_step for found_step, _ in ranked[:keep]]
+
+
+def best_line(step: int, score: float, kept: list[int]) -> str:
+    """What a save among the best checkpoints is: the best so far, one of the K best, or (with
+    a score that ties or trails all K) none of them."""
+    if kept and kept[0] == step:
+        return f"best checkpoint: step {step} ({score:.6g}), the best so far (best.pt)"
+    if step in kept:
+        return (
+            f"checkpoint among the {len(kept)} best: step {step} ({score:.6g}) is number "
+            f"{kept.index(step) + 1}; the best is still step {kept[0]} (best.pt)"
+        )
+    return f"checkpoint of step {step} ({score:.6g}) is not among the {len(kept)} best: dropped"
 
 
 def _score(path: Path, maximize: bool) -> float:
@@ -378,10 +403,12 @@ class Checkpointer:
         env: DistEnv,
         settings: dict[str, str],
         sharded: bool = False,
+        compare: Compare = plainly_changed,
     ) -> None:
         self.cfg, self.env = cfg, env
         self.directory = directory
         self.settings = settings
+        self.compare = compare  # a key a checkpoint lacks may still be no change
         self.sharded = sharded  # checkpoint.format, resolved for the strategy
         self.logger_ids: dict[str, str] = {}  # a restart continues these logger runs
         self.last_path: Path | None = None
@@ -453,11 +480,9 @@ class Checkpointer:
         if self.env.is_main:
             payload = self._payload(step, shared(), states)
             if best is not None:
-                path = self._guard_save(
+                return self._guard_save(
                     step, lambda: write_best(self.directory, step, payload, *best, self.cfg.best)
                 )
-                log.info("best checkpoint: step %d (%.6g) -> %s", step, best[0], path)
-                return path
             self.last_path = self._guard_save(
                 step, lambda: write(self.directory, step, payload, self.cfg.keep)
             )
@@ -517,8 +542,8 @@ class Checkpointer:
                 return
             score, maximize = best
             self._guard_save(step, lambda: _seal(partial, step, score=score))
-            _publish_best(self.directory, maximize, self.cfg.best)
-            log.info("best checkpoint: step %d (%.6g) -> %s", step, score, final)
+            kept = _publish_best(self.directory, maximize, self.cfg.best)
+            log.info("%s -> %s", best_line(step, score, kept), final)
 
         if future is None:
             seal()
@@ -604,12 +629,13 @@ class Checkpointer:
                 self.env.world_size,
                 payload["world_size"],
             )
-        differences = settings_differences(payload, self.settings)
+        differences = settings_differences(payload, self.settings, self.compare)
         if differences and self.cfg.resume == "auto":
             raise CheckpointError(
                 f"{choice} was written by this run dir's run with other settings: "
-                f"{_shorten(differences)}. Resume with the original settings, or start a new "
-                "run in a new hydra.run.dir"
+                f"{_shorten(differences)}. Resume with the original settings (`train "
+                f"hydra.run.dir={self.directory.parent}` takes them from the run's record), or "
+                "start a new run in a new hydra.run.dir"
             )
         if differences and self.env.is_main:  # an explicit path: the user asked for this one
             log.warning(

@@ -66,3 +66,17 @@ def test_two_then_one_then_three_ranks_continue_the_two_rank_run(tmp_path, strat
     expected, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "leg2")
     for name, tensor in expected.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_epoch_counts_samples_seen_whatever_the_world_size(tmp_path):
+    """2 ranks x 8 per rank for 4 steps (64 of the 256 samples), then 1 rank x 8 for 4 more (32):
+    the epoch goes on from 0.25 to 0.375, where steps / steps per epoch would say 0.25 again."""
+    first = leg(2, 8, 4, "ddp", "checkpoint.format=file", tmp_path / "two", "trainer.log_every=4")
+    assert first["epochs"] == 0.25
+    resume = f"checkpoint.resume={tmp_path / 'two' / 'checkpoints' / 'last.pt'}"
+    second = leg(
+        1, 8, 8, "ddp", "checkpoint.format=file", tmp_path / "one", resume, "trainer.log_every=2"
+    )
+    epochs = [e["epoch"] for e in read_metrics(tmp_path / "one") if "train/loss" in e]
+    assert epochs == [0.3125, 0.375]
+    assert second["epochs"] == 0.375

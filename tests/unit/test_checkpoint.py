@@ -318,3 +318,21 @@ def test_export_refuses_a_shard_size_it_cannot_use(tmp_path, capsys, output, opt
         main([str(tmp_path / "missing.pt"), str(tmp_path / output), option])
     assert refused.value.code == 2 and said in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_new_top_k_checkpoint_is_logged_as_the_best_only_when_it_is(tmp_path, caplog):
+    """checkpoint.best=2, higher is better: 0.5 then 0.9 are each the best so far; 0.7 is kept
+    as the second; best.pt stays on 0.9's step."""
+    caplog.set_level("INFO", logger="framework")
+    lines = []
+    for step, score in ((10, 0.5), (20, 0.9), (30, 0.7)):
+        caplog.clear()
+        checkpoint.write_best(tmp_path, step, payload(step), score, maximize=True, keep=2)
+        lines.append(caplog.records[-1].getMessage())
+    assert lines[0].startswith("best checkpoint: step 10 (0.5), the best so far")
+    assert lines[1].startswith("best checkpoint: step 20 (0.9), the best so far")
+    assert lines[2].startswith(
+        "checkpoint among the 2 best: step 30 (0.7) is number 2; the best is still step 20"
+    )
+    assert "best checkpoint" not in lines[2]
+    assert (tmp_path / "best.pt").resolve().name == "step_00000020.pt"

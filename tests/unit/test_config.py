@@ -298,3 +298,27 @@ def test_a_users_data_schema_inherits_what_an_evaluation_may_change():
         assert not must_match_in_eval(loader_key)
     assert must_match_in_eval("model.width") and must_match_in_eval("task.label_smoothing")
     assert not must_match_in_eval("optimizer.lr")  # an evaluation trains nothing
+
+
+# --- a preset's values for one option do not forbid choosing another --------------------------
+@pytest.mark.parametrize("scheduler", ["constant", "step", "cosine"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_presets_values_for_its_own_options_do_not_forbid_choosing_others(optimizer, scheduler):
+    """char_gpt sets cosine's warmup_steps and AdamW's betas: with another scheduler or
+    optimizer those are left out, with its own they are kept."""
+    cfg = make_cfg("experiment=char_gpt", f"scheduler={scheduler}", f"optimizer={optimizer}")
+    validate(cfg)
+    assert ("warmup_steps" in cfg.scheduler) == (scheduler in ("cosine",))
+    if scheduler == "cosine":
+        assert cfg.scheduler.warmup_steps == 50  # the preset's, not the option's 0
+    assert ("betas" in cfg.optimizer) == (optimizer == "adamw")
+    if optimizer == "adamw":
+        assert list(cfg.optimizer.betas) == [0.9, 0.99]  # the preset's
+    assert cfg.optimizer.lr == 3.0e-3  # a key every optimizer has stays the preset's
+
+
+def test_cifar10_resnet18_keeps_its_warmup_for_its_own_scheduler_only():
+    own = make_cfg("experiment=cifar10_resnet18", "data.root=/nonexistent")
+    assert own.scheduler.warmup_steps == 200
+    other = make_cfg("experiment=cifar10_resnet18", "data.root=/nonexistent", "scheduler=step")
+    assert "warmup_steps" not in other.scheduler

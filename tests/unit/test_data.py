@@ -15,10 +15,13 @@ from framework.components.data import (
     bundled_with_scikit_learn,
     cifar10,
     digits,
+    epoch_coverage,
     split_indices,
     synthetic,
+    train_loader,
 )
 from framework.config.registry import option_values
+from framework.core.launch_context import DistEnv
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -149,3 +152,28 @@ def test_a_cifar_folder_holding_a_code_pickle_is_refused_unrun(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="is not CIFAR-10 data"):
         cifar10(**option_values("data", "cifar10", root=str(tmp_path)))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("drop_last", "world_size", "accumulation", "expected"),
+    [
+        (True, 2, 1, "an epoch uses 8 of the 15 training samples: data.drop_last=true drops the 7"),
+        (True, 1, 2, "an epoch uses 8 of the 15 training samples"),
+        (True, 3, 1, "an epoch uses 12 of the 15 training samples"),
+        (False, 2, 1, None),  # padded: every sample is used
+    ],
+)
+def test_the_start_says_how_many_samples_an_epoch_uses(
+    drop_last, world_size, accumulation, expected
+):
+    """15 samples in batches of 4 per rank: what the loader of rank 0 will give in an epoch."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(15.0))
+    data = {"batch_size": 4, "drop_last": drop_last, "shuffle": True, "num_workers": 0}
+    data |= {"pin_memory": False, "persistent_workers": False}
+    env = DistEnv(rank=0, world_size=world_size, local_world_size=world_size)
+    loader, _ = train_loader(dataset, data, env, seed=0, device=torch.device("cpu"))
+    said = epoch_coverage(loader, accumulation)
+    assert said == expected or (expected is not None and said.startswith(expected))
+    steps = len(loader) // accumulation
+    if expected is not None:  # the number said is what the steps take
+        assert f"uses {steps * accumulation * 4 * world_size} of" in said

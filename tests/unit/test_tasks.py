@@ -428,3 +428,111 @@ def test_probabilities_fed_to_a_logits_loss_are_refused():
     with pytest.raises(ConfigError, match=r"a final sigmoid\?\), but bce takes logits"):
         require_logits("multilabel", torch.rand(8, 5), "bce")
     require_logits("multilabel", torch.randn(8, 5), "bce")  # logits pass
+
+
+class SumAsMean(MeanLoss):
+    """A sum, given to TaskLoss.mean as if it were a mean: the loss grows by the batch size."""
+
+    def loss(self, model, batch):
+        summed = F.cross_entropy(model(batch[0]), batch[1], reduction="sum")
+        return TaskLoss.mean(summed, self.count(batch))
+
+
+def test_a_sum_passed_as_a_mean_is_refused_before_the_first_step():
+    model = SmallCNN(1, 10, 4).eval()
+    expected = r"4 times the value .* TaskLoss.mean\(value, count\) is a sum, not a mean"
+    with pytest.raises(ConfigError, match=expected), torch.no_grad():
+        SumAsMean().check(model, (images, labels))
+
+
+class OwnLogitsTask(VectorLoss):
+    """A task of one's own that declares its loss takes logits, and calls nothing itself."""
+
+    name = "own"
+    logits_loss = "cross-entropy"
+
+    def loss(self, model, batch):
+        return TaskLoss.sum(F.cross_entropy(model(batch[0]), batch[1], reduction="sum"))
+
+
+def test_a_task_that_declares_a_logits_loss_gets_the_logits_check():
+    refused = pytest.raises(ConfigError, match=r"task=own: .*cross-entropy takes logits")
+    with refused, torch.no_grad():
+        OwnLogitsTask().check(SoftmaxCNN().eval(), (images, labels))
+    with torch.no_grad():
+        OwnLogitsTask().check(SmallCNN(1, 10, 4).eval(), (images, labels))  # logits pass
+
+
+class SigmoidAutoencoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.Unflatten(1, (1, 8, 8)))
+
+    def forward(self, x):
+        return self.body(x).sigmoid()
+
+
+class SigmoidVAE(VAE):
+    def forward(self, x):
+        reconstruction, mu, logvar = super().forward(x)
+        return reconstruction.sigmoid(), mu, logvar
+
+
+@pytest.mark.parametrize("vae", [False, True])
+def test_autoencoder_bce_on_a_model_ending_in_sigmoid_is_refused(vae):
+    pixels = torch.rand(8, 1, 8, 8)
+    values = {**option_values("task", "autoencoder"), "reconstruction": "bce", "vae": vae}
+    shape = {"in_channels": 1, "image_size": 8}
+    model = SigmoidVAE(**option_values("model", "vae", **shape)) if vae else SigmoidAutoencoder()
+    model = model.eval()
+    refused = pytest.raises(ConfigError, match=r"a final sigmoid\?\), but task.reconstruction=bce")
+    with refused, torch.no_grad():
+        Autoencoder(**values).check(model, pixels)
+    with torch.no_grad():  # mse on the same model is what it is meant for
+        Autoencoder(**{**values, "reconstruction": "mse"}).check(model, pixels)
+
+
+# --- evaluation states are added up in float64 ------------------------------------------------
+class Scaled(nn.Module):
+    def forward(self, x):
+        return x * 0.3
+
+
+@pytest.mark.parametrize(
+    ("task", "model", "data"),
+    [
+        (
+            Classification(**option_values("task", "classification")),
+            nn.Identity(),  # the inputs are the logits: each item's loss, whatever its batch
+            lambda g: (
+                torch.randn(3000, 10, generator=g) * 4,
+                torch.randint(0, 10, (3000,), generator=g),
+            ),
+        ),
+        (
+            LanguageModel(**option_values("task", "language_model")),
+            nn.Identity(),
+            lambda g: (
+                torch.randn(300, 10, 7, generator=g) * 4,
+                torch.randint(0, 7, (300, 10), generator=g),
+            ),
+        ),
+        (
+            Autoencoder(**option_values("task", "autoencoder")),
+            Scaled(),  # a reconstruction off by an item's own amount
+            lambda g: (torch.rand(3000, 1, 2, 2, generator=g) * 100,),
+        ),
+    ],
+)
+def test_evaluation_states_do_not_depend_on_how_the_items_are_batched(task, model, data):
+    """The same items in batches of 7 (as on one of several ranks) or in one batch: float32 sums
+    of the batches round differently (about 1e-7 relative); float64 ones agree to 1e-12."""
+    items = data(torch.Generator().manual_seed(0))
+    one = task.evaluate(model, items)
+    parts = [
+        task.evaluate(model, tuple(t[i : i + 7] for t in items)) for i in range(0, len(items[0]), 7)
+    ]
+    for name, value in one.items():
+        if value.is_floating_point():
+            batched = sum(float(part[name]) for part in parts)  # float64, as pack_states adds
+            assert batched == pytest.approx(float(value), rel=1e-12, abs=0), name

@@ -20,6 +20,7 @@ from framework.components.tasks.base import (
     batch_shapes,
     first_batch,
     require_logits,
+    state_sum,
 )
 from framework.components.tasks.classification import Classification
 from framework.components.tasks.language_model import LanguageModel
@@ -35,4 +36,5 @@ __all__ = [
     "batch_shapes",
     "first_batch",
     "require_logits",
+    "state_sum",
 ]

@@ -9,7 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.components.tasks.base import Count, Task, TaskLoss, batch_shapes, mean, pick
+from framework.components.tasks.base import (
+    Count,
+    Task,
+    TaskLoss,
+    batch_shapes,
+    mean,
+    pick,
+    state_sum,
+)
 from framework.core.exits import ConfigError
 
 
@@ -32,6 +40,7 @@ class Autoencoder(Task):
         kl_weight: float,
     ) -> None:
         self.vae, self.reconstruction, self.kl_weight = vae, reconstruction, kl_weight
+        self.logits_loss = "task.reconstruction=bce" if reconstruction == "bce" else None
         if vae:
             self.metrics = {"elbo": "max", "reconstruction": "min", "kl": "min"}
             self.states = ("reconstruction", "kl", "count")
@@ -48,20 +57,23 @@ class Autoencoder(Task):
             return out["reconstruction"], out["mu"], out["logvar"]
         return tuple(out)
 
-    def _terms(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    def _terms(
+        self, model: nn.Module, batch: Any, add: Callable[[torch.Tensor], torch.Tensor] = torch.sum
+    ) -> dict[str, torch.Tensor]:
+        """Each term added up over the batch by `add` (evaluation's: in float64)."""
         inputs = pick(batch, 0, "inputs")
         outputs = self._outputs(model, inputs)
         reconstructed = outputs[0].float()
         if self.reconstruction == "bce":
             error = F.binary_cross_entropy_with_logits(
-                reconstructed, inputs.float(), reduction="sum"
+                reconstructed, inputs.float(), reduction="none"
             )
         else:
-            error = F.mse_loss(reconstructed, inputs.float(), reduction="sum")
-        terms = {"reconstruction": error}
+            error = F.mse_loss(reconstructed, inputs.float(), reduction="none")
+        terms = {"reconstruction": add(error)}
         if self.vae:
             mu, logvar = outputs[1].float(), outputs[2].float()
-            terms["kl"] = -0.5 * (1 + logvar - mu.square() - logvar.exp()).sum()
+            terms["kl"] = add(-0.5 * (1 + logvar - mu.square() - logvar.exp()))
         return terms
 
     def count(self, batch: Any) -> Count:
@@ -79,7 +91,7 @@ class Autoencoder(Task):
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         inputs = pick(batch, 0, "inputs")
         count = torch.tensor(inputs.shape[0], device=inputs.device)
-        return {**self._terms(model, batch), "count": count}
+        return {**self._terms(model, batch, add=state_sum), "count": count}
 
     def compute(self, totals: dict[str, float]) -> dict[str, float]:
         metrics = {"reconstruction": mean(totals["reconstruction"], totals["count"])}

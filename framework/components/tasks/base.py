@@ -26,6 +26,7 @@ class TaskLoss:
 
     total: torch.Tensor
     sums: dict[str, torch.Tensor]
+    built_as: str  # "sum" or "mean": which the task said it is (the pre-flight check tests it)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(
@@ -34,15 +35,17 @@ class TaskLoss:
         )
 
     @classmethod
-    def _made(cls, total: torch.Tensor, sums: Mapping[str, torch.Tensor]) -> TaskLoss:
+    def _made(
+        cls, total: torch.Tensor, sums: Mapping[str, torch.Tensor], built_as: str
+    ) -> TaskLoss:
         loss = object.__new__(cls)
-        loss.total, loss.sums = total, dict(sums)
+        loss.total, loss.sums, loss.built_as = total, dict(sums), built_as
         return loss
 
     @classmethod
     def sum(cls, total: torch.Tensor, sums: Mapping[str, torch.Tensor] | None = None) -> TaskLoss:
         """`total` (and each of `sums`) added up over the micro-batch's items."""
-        return cls._made(total, sums or {})
+        return cls._made(total, sums or {}, "sum")
 
     @classmethod
     def mean(
@@ -50,7 +53,8 @@ class TaskLoss:
     ) -> TaskLoss:
         """`value` (and each of `means`) averaged over `count` items (`Task.count(batch)`)."""
         means = means or {}
-        return cls._made(value * count, {key: item * count for key, item in means.items()})
+        sums = {key: item * count for key, item in means.items()}
+        return cls._made(value * count, sums, "mean")
 
 
 class Task:
@@ -71,6 +75,11 @@ class Task:
     # Methods besides forward that `artifacts` calls on the model (a VAE's decode): a sharding
     # strategy gathers the parameters around them as it does around forward.
     model_methods: ClassVar[tuple[str, ...]] = ()
+    # The loss that loss() applies to the model's outputs when it takes logits ("cross-entropy",
+    # "bce"): the pre-flight check then refuses outputs that are all in [0, 1] (a model ending
+    # in softmax or sigmoid trains badly, in silence). None: the outputs are not logits.
+    logits_loss: str | None = None
+    logits_dim: int = 1  # the class dimension of the logits (-1 for [batch, time, vocabulary])
     # What a batch must look like, for the message when it does not.
     reads: ClassVar[str] = "a batch"
     fix: ClassVar[str] = "pick a data option this task can read"
@@ -118,11 +127,29 @@ class Task:
                 f"task={self.name}: the loss of a batch must be a scalar (a sum over its items), "
                 f"got shape {list(loss.total.shape)}: reduce it with .sum()"
             )
+        self._check_logits(model, batch)
         self._check_loss_is_a_sum(model, batch, loss)
         self._check_states_compute(states)
 
+    def _check_logits(self, model: nn.Module, batch: Any) -> None:
+        """`logits_loss` declared: the model's outputs (the first tensor it returns) must not be
+        probabilities."""
+        if self.logits_loss is None:
+            return
+        outputs = model(pick(batch, 0, "inputs"))
+        while not isinstance(outputs, torch.Tensor):
+            if isinstance(outputs, Mapping) and outputs:
+                outputs = next(iter(outputs.values()))
+            elif isinstance(outputs, list | tuple) and outputs:
+                outputs = outputs[0]
+            else:
+                return
+        require_logits(self.name, outputs, self.logits_loss, self.logits_dim)
+
     def _check_loss_is_a_sum(self, model: nn.Module, batch: Any, loss: TaskLoss) -> None:
-        """A sum over a batch doubles when the batch is repeated; a mean stays the same."""
+        """A sum over a batch doubles when the batch is repeated; a mean stays the same. So
+        TaskLoss.sum of a mean stays the same, and TaskLoss.mean of a sum (times the count,
+        which doubles too) grows four times."""
         try:
             doubled = self.loss(model, repeated(batch)).total
         except Exception:  # noqa: BLE001 (a batch that cannot be repeated: nothing to compare)
@@ -135,6 +162,12 @@ class Task:
                 f"task={self.name}: loss() gave the same value for the batch repeated twice, so "
                 "it is a mean, not a sum: return TaskLoss.mean(value, count) (or a sum, "
                 "reduction='sum', as TaskLoss.sum)"
+            )
+        if loss.built_as == "mean" and abs(float(doubled) - 4 * single) <= 4e-3 * abs(single):
+            raise ConfigError(
+                f"task={self.name}: loss() gave 4 times the value for the batch repeated twice, "
+                "so the value given to TaskLoss.mean(value, count) is a sum, not a mean: return "
+                "TaskLoss.sum(value) (or the mean, reduction='mean', as TaskLoss.mean)"
             )
 
     def _check_states_compute(self, states: Mapping[str, Any]) -> None:
@@ -222,6 +255,13 @@ def require_logits(task: str, outputs: torch.Tensor, loss: str, class_dim: int =
         f"task={task}: the model's outputs are all in [0, 1] (a final {ending}?), but {loss} "
         "takes logits: drop the model's last activation (the loss applies it, more stably)"
     )
+
+
+def state_sum(values: torch.Tensor) -> torch.Tensor:
+    """A sum state from per-item values, added up in float64: evaluation sums the same items on
+    any number of ranks, only in other batches, and float32 sums of other batches round
+    differently (float64 keeps the difference below what the metrics show)."""
+    return values.double().sum()
 
 
 def repeated(batch: Any) -> Any:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick, require_logits
+from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick, state_sum
 from framework.core.exits import ConfigError
 
 
@@ -20,6 +20,7 @@ class Classification(Task):
     metrics = {"accuracy": "max", "loss": "min"}
     states = ("loss", "correct", "count")
     reads = "(inputs, targets) with integer class labels"
+    logits_loss = "cross-entropy"
     fix = "for real-valued targets use task=regression; for token sequences task=language_model"
 
     def __init__(
@@ -34,11 +35,15 @@ class Classification(Task):
         return model(pick(batch, 0, "inputs")), pick(batch, 1, "targets")
 
     def _cross_entropy(
-        self, logits: torch.Tensor, targets: torch.Tensor, smoothing: float
+        self, logits: torch.Tensor, targets: torch.Tensor, smoothing: float, reduction: str = "sum"
     ) -> torch.Tensor:
         ignore = -100 if self.ignore_index is None else self.ignore_index
         return F.cross_entropy(
-            logits.float(), targets, reduction="sum", ignore_index=ignore, label_smoothing=smoothing
+            logits.float(),
+            targets,
+            reduction=reduction,
+            ignore_index=ignore,
+            label_smoothing=smoothing,
         )
 
     def count(self, batch: Any) -> Count:
@@ -59,7 +64,8 @@ class Classification(Task):
             else (targets != self.ignore_index)
         )
         return {
-            "loss": self._cross_entropy(logits, targets, 0.0),  # the plain loss, for comparison
+            # the plain loss, for comparison; per item, added up in float64
+            "loss": state_sum(self._cross_entropy(logits, targets, 0.0, reduction="none")),
             "correct": ((logits.argmax(dim=1) == targets) & valid).sum(),
             "count": valid.sum(),
         }
@@ -97,7 +103,6 @@ class Classification(Task):
                 f"returns {logits.shape[1]} (shape {list(logits.shape)}): set the model's "
                 "num_classes, or use task=regression for a single real-valued output"
             )
-        require_logits(self.name, logits, "cross-entropy")
         valid = targets if self.ignore_index is None else targets[targets != self.ignore_index]
         if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= logits.shape[1]):
             raise ConfigError(

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick
+from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick, state_sum
 from framework.core.exits import ConfigError
 
 
@@ -24,6 +24,8 @@ class LanguageModel(Task):
     metrics = {"loss": "min", "perplexity": "min", "bits_per_char": "min"}
     states = ("loss", "tokens")
     reads = "(inputs, targets) of token ids, [batch, time] each"
+    logits_loss = "cross-entropy"
+    logits_dim = -1
     fix = "pick a text data option (data=text), or task=classification for labelled inputs"
 
     def __init__(
@@ -36,12 +38,12 @@ class LanguageModel(Task):
         self.chars_per_token = chars_per_token
         self.sample_tokens = sample_tokens
 
-    def _loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+    def _loss_sum(self, model: nn.Module, batch: Any, reduction: str = "sum") -> torch.Tensor:
         logits, targets = model(pick(batch, 0, "inputs")), pick(batch, 1, "targets")
         return F.cross_entropy(
             logits.float().flatten(0, -2),
             targets.flatten(),
-            reduction="sum",
+            reduction=reduction,
             ignore_index=self.ignore_index,
         )
 
@@ -52,7 +54,8 @@ class LanguageModel(Task):
         return TaskLoss.sum(self._loss_sum(model, batch))
 
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        return {"loss": self._loss_sum(model, batch), "tokens": self.count(batch)}
+        losses = self._loss_sum(model, batch, reduction="none")  # per token, padding 0
+        return {"loss": state_sum(losses), "tokens": self.count(batch)}
 
     def compute(self, totals: dict[str, float]) -> dict[str, float]:
         loss = mean(totals["loss"], totals["tokens"])  # nats per token

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from framework.components.tasks import Task, TaskLoss
+from framework.components.tasks import Task, TaskLoss, state_sum
 
 
 class WithinTolerance(Task):
@@ -11,6 +11,10 @@ class WithinTolerance(Task):
     # val/<name>: whether lower or higher is better; the first is the run's objective
     metrics = {"within": "max", "mse": "min"}
     states = ("squared_error", "within", "count")  # sums over the validation set, across ranks
+    # The loss takes the model's outputs as they are, not as logits. A loss that takes logits
+    # (cross-entropy, BCE with logits) names itself here, logits_loss = "cross-entropy": the
+    # check before the first step then refuses a model ending in softmax or sigmoid.
+    logits_loss = None
 
     def __init__(self, tolerance: float = 0.2) -> None:
         self.tolerance = tolerance
@@ -31,7 +35,8 @@ class WithinTolerance(Task):
     ) -> dict[str, torch.Tensor]:
         errors = self.errors(model, batch)
         return {
-            "squared_error": errors.square().sum(),
+            # per item, added up in float64: the same on any number of ranks
+            "squared_error": state_sum(errors.square()),
             "within": (errors.abs() <= self.tolerance).sum(),
             "count": torch.tensor(errors.numel(), device=errors.device),
         }
