@@ -149,8 +149,9 @@ def write_hydra_record(config: DictConfig, folder: Path) -> None:
 
 
 # In a multirun, these parts of the master config are never read again: every job re-composes
-# its own config from the overrides. The rest of Hydra's node (overrides, sweeper, launcher,
-# sweep dir) is, so it is left as it is; secrets typed as overrides are already hidden there.
+# its own config from the overrides, and the sweeper took its parameters when Hydra built it,
+# before our callback runs. The rest of Hydra's node (overrides, launcher, sweep dir) is read
+# again, so it is left as it is; secrets typed as overrides are already hidden there.
 MULTIRUN_MASTER_REDACTED = ("hydra.job.env_set",)
 
 
@@ -169,3 +170,17 @@ def redact_multirun_master(cfg: DictConfig) -> None:
                 OmegaConf.update(cfg, path, clean, merge=False)
             except Exception:  # noqa: BLE001 (a typed number node cannot hold REDACTED)
                 continue
+    _redact_sweeper_params(cfg, secrets)
+
+
+def _redact_sweeper_params(cfg: DictConfig, secrets: set[str]) -> None:
+    """hydra.sweeper.params (`+data.api_token: a,b`): its keys hold dots, so each is redacted
+    in its own node."""
+    params = OmegaConf.select(cfg, "hydra.sweeper.params")
+    if not isinstance(params, DictConfig):
+        return
+    for key, value in plain(params, resolve=False).items():
+        clean = redact(value, secrets, is_secret_name(str(key)))
+        if clean != value:
+            with read_write(params), open_dict(params):
+                params[key] = clean

