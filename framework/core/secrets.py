@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import unquote
@@ -260,6 +261,20 @@ def install_log_scrubbing() -> None:
 
     scrubbing_factory.scrubs_secrets = True  # type: ignore[attr-defined]
     logging.setLogRecordFactory(scrubbing_factory)
+
+
+def install_traceback_scrubbing() -> None:
+    """An exception nobody caught (HYDRA_FULL_ERROR=1, a bug) is printed after `train` left
+    its scrubbed console: its traceback is scrubbed here."""
+    if getattr(sys.excepthook, "scrubs_secrets", False):
+        return
+
+    def scrubbing_hook(kind: Any, error: Any, trace: Any) -> None:
+        text = "".join(traceback.format_exception(kind, error, trace))
+        sys.stderr.write(scrub(text))
+
+    scrubbing_hook.scrubs_secrets = True  # type: ignore[attr-defined]
+    sys.excepthook = scrubbing_hook
 
 
 class SecretFilter(logging.Filter):

@@ -23,6 +23,7 @@ from framework.core.secrets import (
     ENV_READ,
     REDACTED,
     install_log_scrubbing,
+    install_traceback_scrubbing,
     is_secret_name,
     known_secrets,
     scrub,
@@ -170,3 +171,15 @@ def test_a_sweep_parameter_of_a_secret_looking_key_is_redacted_in_multirun_yaml(
         }
     redact_multirun_master(cfg)  # (the sweeper holds its own copy by now)
     assert dict(cfg.hydra.sweeper.params) == {"+data.api_token": REDACTED, "optimizer.lr": "0.1,1"}
+
+
+def test_an_uncaught_exceptions_traceback_is_scrubbed(monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    install_traceback_scrubbing()
+    try:
+        raise RuntimeError(f"HYDRA_FULL_ERROR=1 shows {SECRET}")
+    except RuntimeError as error:
+        sys.excepthook(type(error), error, error.__traceback__)
+    err = capsys.readouterr().err
+    assert "Traceback" in err and f"shows {REDACTED}" in err and SECRET not in err
