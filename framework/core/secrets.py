@@ -216,6 +216,8 @@ def _scrub(value: Any, secrets: list[str], secret_key: bool) -> Any:
         return [_scrub(item, secrets, secret_key) for item in value]
     if secret_key and secret_text(value) is not None:
         return REDACTED
+    if isinstance(value, int | float) and not isinstance(value, bool) and str(value) in secrets:
+        return REDACTED  # a number read from the environment (${oc.env:PIN} in an int key)
     if isinstance(value, str):
         value = _scrub_urls(value)
         for secret in secrets:

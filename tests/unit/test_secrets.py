@@ -183,3 +183,9 @@ def test_an_uncaught_exceptions_traceback_is_scrubbed(monkeypatch, capsys):
         sys.excepthook(type(error), error, error.__traceback__)
     err = capsys.readouterr().err
     assert "Traceback" in err and f"shows {REDACTED}" in err and SECRET not in err
+
+
+def test_a_number_read_from_the_environment_is_redacted_in_the_record(monkeypatch):
+    monkeypatch.setenv("PIN_CODE", "90210417")
+    record = redacted_container(make_cfg("trainer.seed=${oc.env:PIN_CODE}"))
+    assert record["trainer"]["seed"] == REDACTED
