@@ -147,6 +147,8 @@ def url_passwords(text: str) -> set[str]:
 
 
 def _scrub_urls(text: str) -> str:
+    if "://" not in text:
+        return text
     text = URL_PASSWORD.sub(lambda match: f"{match['head']}{REDACTED}@", text)
     return URL_USER_ONLY.sub(
         lambda match: f"{match['head']}{REDACTED}@" if match["user"] != REDACTED else match[0],
@@ -180,11 +182,15 @@ def env_secret_values(environ: Mapping[str, str]) -> set[str]:
         looks_secret = is_secret_name(name) and name_words(name)[-1] not in NOT_SECRET_LAST_WORDS
         if (looks_secret or name in read) and secret_text(value):
             values.add(value)
-        values |= url_passwords(value)  # MLFLOW_TRACKING_URI=https://user:password@host
+        if "://" in value:  # MLFLOW_TRACKING_URI=https://user:password@host
+            values |= url_passwords(value)
     return values
 
 
 _remembered: set[str] = set()  # secrets found in configs by this process
+# The environment's secrets, for the environment they were found in: every log record and
+# console write asks, and reading each name and value again cost ~1 ms.
+_from_environment: tuple[tuple[tuple[str, str], ...], frozenset[str]] = ((), frozenset())
 
 
 def remember(values: Iterable[str]) -> None:
@@ -192,7 +198,11 @@ def remember(values: Iterable[str]) -> None:
 
 
 def known_secrets() -> set[str]:
-    return env_secret_values(os.environ) | _remembered
+    global _from_environment
+    environ = tuple(os.environ.items())
+    if environ != _from_environment[0]:
+        _from_environment = environ, frozenset(env_secret_values(dict(environ)))
+    return set(_from_environment[1]) | _remembered
 
 
 # --- scrubbing ------------------------------------------------------------------------------

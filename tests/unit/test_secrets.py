@@ -189,3 +189,10 @@ def test_a_number_read_from_the_environment_is_redacted_in_the_record(monkeypatc
     monkeypatch.setenv("PIN_CODE", "90210417")
     record = redacted_container(make_cfg("trainer.seed=${oc.env:PIN_CODE}"))
     assert record["trainer"]["seed"] == REDACTED
+
+
+def test_a_changed_environment_is_read_again(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "PLANTED-FIRST-1")
+    assert "PLANTED-FIRST-1" in known_secrets()
+    monkeypatch.setenv("HF_TOKEN", "PLANTED-SECOND-2")  # the same names, another value
+    assert "PLANTED-SECOND-2" in known_secrets() and "PLANTED-FIRST-1" not in known_secrets()
