@@ -129,11 +129,14 @@ def secret_text(value: Any) -> str | None:
 # --- URLs -----------------------------------------------------------------------------------
 # A URL's userinfo: `scheme://user:password@`, the password of any characters but blanks and
 # `@` (a `/` included); `host:8080/path@x` is a port and a path, not a password. A userinfo
-# without a password (`https://<token>@host`) is replaced whole.
+# without a password (`https://<token>@host`) is replaced whole, unless it is short enough to
+# be a user name (`ssh://git@host`).
 URL_PASSWORD = re.compile(
     r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)(?P<password>(?!\d*/)[^\s@]+)@"
 )
-URL_USER_ONLY = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s:/@]+)@")
+URL_USER_ONLY = re.compile(
+    rf"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s:/@]{{{MIN_SECRET_LENGTH},}})@"
+)
 
 
 def url_passwords(text: str) -> set[str]:

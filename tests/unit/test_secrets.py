@@ -83,6 +83,7 @@ def test_secret_looking_variables_are_secrets_unread(monkeypatch):
         ("https://bob:pa/ss-word@example.com/x", f"https://bob:{REDACTED}@example.com/x"),
         ("s3://k:a%2Fb%40cdef@bucket", f"s3://k:{REDACTED}@bucket"),
         ("https://ghp_0123456789@github.com/o/r", f"https://{REDACTED}@github.com/o/r"),
+        ("ssh://git@github.com/o/r", "ssh://git@github.com/o/r"),  # a user name
         ("http://host:8080/path@scope/x", "http://host:8080/path@scope/x"),  # a port, a path
         ("https://example.com/a:b@c", "https://example.com/a:b@c"),
     ],
