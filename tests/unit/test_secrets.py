@@ -122,16 +122,21 @@ def test_every_log_record_is_scrubbed_even_after_logging_is_configured_again(mon
     logging.config.dictConfig(
         {
             "version": 1,
+            "disable_existing_loggers": False,  # (the other tests' loggers)
             "handlers": {"out": {"class": "logging.StreamHandler", "stream": "ext://sys.stdout"}},
             "loggers": {"some.library": {"handlers": ["out"], "level": "INFO"}},
         }
     )
     log = logging.getLogger("some.library")
-    log.info("Launching with %s", SECRET)
     try:
-        raise RuntimeError(f"failed at https://u:{SECRET}@host")
-    except RuntimeError:
-        log.exception("it broke")
+        log.info("Launching with %s", SECRET)
+        try:
+            raise RuntimeError(f"failed at https://u:{SECRET}@host")
+        except RuntimeError:
+            log.exception("it broke")
+    finally:
+        for handler in list(log.handlers):
+            log.removeHandler(handler)
     out = capsys.readouterr().out
     assert SECRET not in out and f"Launching with {REDACTED}" in out
     assert f"https://u:{REDACTED}@host" in out  # in the traceback too
