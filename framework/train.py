@@ -35,6 +35,11 @@ from framework.core.exits import (
     WorkerFailed,
     end,
 )
+from framework.core.secrets import (
+    install_log_scrubbing,
+    install_traceback_scrubbing,
+    scrubbed_console,
+)
 from framework.launch import forkserver, launcher_watch
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start, start
 from framework.storage.run_dir import RunDir, is_throwaway, throwaway_dir
@@ -97,6 +102,15 @@ def _adopted_line(argv: list[str], record: Path, adopted: list[str]) -> str:
 
 
 def main() -> None:
+    """`train`: every line it (and Hydra, and a rank in this process) prints or logs is
+    scrubbed of secrets (core/secrets.py)."""
+    install_log_scrubbing()
+    install_traceback_scrubbing()
+    with scrubbed_console():
+        _main()
+
+
+def _main() -> None:
     startup_clock.mark("imports")
     here = launch_context.current()
     if isinstance(here, launch_context.TorchElastic):  # a rank of an external torchrun

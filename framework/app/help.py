@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from framework.app.hydra_node_check import search_path
+from framework.config.redaction import remember_secrets
 from framework.config.registry import register_configs
 from framework.config.resolvers import group_listing
 from framework.core.allowlist import parsed_arguments
@@ -38,6 +39,7 @@ def help_text(argv: list[str]) -> str | None:
     cfg = loader.load_configuration(
         args.config_name or "config", list(args.overrides), run_mode=RunMode.RUN
     )
+    remember_secrets(cfg)  # the console scrubs them from the text printed
     template = string.Template(_template(cfg))
     return template.safe_substitute(
         FLAGS_HELP=Hydra.format_args_help(get_args_parser()),

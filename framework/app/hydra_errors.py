@@ -28,6 +28,7 @@ from hydra.errors import (
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.core.exits import ExitCode
+from framework.core.secrets import scrub
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
 CONFIG_MISTAKES = (ConfigCompositionException, MissingConfigException, OverrideParseException)
@@ -81,7 +82,7 @@ def describe(error: Exception) -> str:
 
 
 def _leave(error: Exception, code: ExitCode) -> NoReturn:
-    print(f"error: {describe(error)}", file=sys.stderr, flush=True)
+    print(scrub(f"error: {describe(error)}"), file=sys.stderr, flush=True)
     raise SystemExit(code) from None
 
 

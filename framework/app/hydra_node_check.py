@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import CONF_DIR, validate
+from framework.config.redaction import remember_secrets
 from framework.config.registry import register_configs
 from framework.core.allowlist import check_hydra_node, parsed_arguments, trusted_prefixes
 from framework.core.exits import ConfigError
@@ -47,6 +48,7 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> None:
         hydra_node = OmegaConf.to_container(cfg.hydra, resolve=False)
         assert isinstance(hydra_node, dict)
         check_hydra_node(hydra_node, trusted_prefixes(cfg))
+        remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
         if app and not (args.multirun or args.cfg):  # (a sweep: each job, in Hydra; --cfg: shown)
             _validate(cfg)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 
+from framework.core.secrets import scrub
 from framework.rank.plots import plot_sweep, try_plot
 from framework.storage.run_dir import RunDir
 
@@ -36,8 +37,8 @@ class JobRow:
     @classmethod
     def from_return(cls, num: int, ret: JobReturn) -> JobRow:
         overrides = dict(item.split("=", 1) for item in ret.overrides or [] if "=" in item)
-        overrides = {
-            key: value
+        overrides = {  # scrubbed: a swept value may be a secret (core/secrets.py)
+            key: scrub(value)
             for key, value in overrides.items()
             if not key.lstrip("+~").startswith("hydra.")
         }
@@ -53,7 +54,7 @@ class JobRow:
             overrides=overrides,
             run_dir=str(run_dir),
             metrics=metrics,
-            error="" if completed else str(ret._return_value),
+            error="" if completed else scrub(str(ret._return_value)),
         )
 
 

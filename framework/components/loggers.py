@@ -22,8 +22,9 @@ from typing import Any, Literal, Protocol
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from framework.config.redaction import SecretFilter, known_secrets, redact
 from framework.config.validation import file_name_problem, tracking_uri_problem
+from framework.core.exits import ConfigError, first_line
+from framework.core.secrets import install_log_scrubbing, known_secrets, scrub
 from framework.storage.run_dir import RunDir
 
 log = logging.getLogger("framework")
@@ -155,7 +156,7 @@ class WandbSink(_Guarded):
 
         # W&B stores sys.argv in the run's metadata. main() hides secret overrides; should a
         # known secret still be in argv (another entry point), the metadata is left out.
-        argv_leaks = redact(sys.argv, known_secrets()) != sys.argv
+        argv_leaks = scrub(sys.argv, known_secrets()) != sys.argv
         settings = wandb.Settings(save_code=False, x_disable_meta=argv_leaks)
         mode = os.environ.get("WANDB_MODE") or str(mode)  # (the schema's enum, as wandb's string)
         if mode == "auto":
@@ -165,9 +166,9 @@ class WandbSink(_Guarded):
         self.run = wandb.init(
             project=project,
             entity=entity,
-            group=group,
-            tags=list(tags),
-            name=run_name or run.path.name,
+            group=scrub(group),  # (a name may hold a value read from the environment)
+            tags=scrub(list(tags)),
+            name=scrub(run_name or run.path.name),
             dir=os.environ.get("WANDB_DIR") or str(run.path),
             config=config,  # redacted once by the caller (redaction.redacted_container)
             mode=mode,
@@ -278,21 +279,31 @@ class MLflowSink(_Guarded):
         resume_step: int = 0,
     ) -> None:
         import mlflow  # imported here: ~2 s, only rank 0 with logger=mlflow needs it
+        from mlflow.exceptions import MlflowException
 
         if problem := tracking_uri_problem(tracking_uri):
             raise ValueError(f"logger.mlflow.tracking_uri={tracking_uri} {problem}")
         self.mlflow = mlflow
         self.run_dir = _run_dir(run)
-        mlflow.set_tracking_uri(
+        uri = (
             tracking_uri
             or os.environ.get("MLFLOW_TRACKING_URI")
             or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
         )
-        mlflow.set_experiment(experiment)
-        active = mlflow.start_run(
-            run_id=resume_id, run_name=None if resume_id else run_name or run.path.name
-        )
-        self.run_id = active.info.run_id
+        name = None if resume_id else scrub(run_name or run.path.name)
+        try:
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_experiment(experiment)
+            self.run_id = mlflow.start_run(run_id=resume_id, run_name=name).info.run_id
+        except (MlflowException, OSError, ValueError) as error:  # not a traceback: the URI
+            setting = "logger.mlflow.tracking_uri" if tracking_uri else "$MLFLOW_TRACKING_URI"
+            raise ConfigError(
+                scrub(
+                    f"{setting}={uri}: MLflow could not start a run there "
+                    f"({type(error).__name__}: {first_line(error)}): start the tracking server "
+                    f"or name another one"
+                )
+            ) from None
         if not resume_id:
             params = {key: json.dumps(value) for key, value in _flat(config).items()}
             self._guarded(mlflow.log_params, params)
@@ -370,6 +381,7 @@ def build_sink(
 
 def setup_logging(is_main: bool, rank: int, log_file: Path | None) -> None:
     """Rank 0: INFO to the console and to log_file (train.log). Other ranks: warnings only."""
+    install_log_scrubbing()  # a secret in any record's message or traceback is scrubbed
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -378,13 +390,11 @@ def setup_logging(is_main: bool, rank: int, log_file: Path | None) -> None:
     fmt = logging.Formatter(f"[%(asctime)s][rank {rank}] %(message)s", datefmt="%H:%M:%S")
     console = logging.StreamHandler()
     console.setFormatter(fmt)
-    console.addFilter(SecretFilter())  # a secret in a message or traceback is redacted
     root.addHandler(console)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     if is_main and log_file is not None:
         file_handler = logging.FileHandler(log_file, delay=True)
         file_handler.setFormatter(fmt)
-        file_handler.addFilter(SecretFilter())
         # An existing run's log (a resume): held until the run is accepted, so that a refused
         # start writes nothing into it.
         root.addHandler(HeldLog(file_handler) if log_file.exists() else file_handler)

@@ -9,17 +9,30 @@ so the app runs with hydra.output_subdir=null and `write_hydra_record` writes it
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.types import ChoiceSweep
 from omegaconf import DictConfig, ListConfig, OmegaConf, SCMode, open_dict, read_write
 
 from framework.config import CONF_DIR
 from framework.core.allowlist import iter_leaves, matches_prefix, parse_command_line
+from framework.core.secrets import (
+    REDACTED,
+    SecretFilter,
+    env_secret_values,
+    is_secret_name,
+    known_secrets,
+    remember,
+    scrub,
+    secret_text,
+    url_passwords,
+)
+
+__all__ = ["REDACTED", "SecretFilter", "is_secret_name", "known_secrets"]  # (for the writers)
 
 
 def is_config_group(key: str) -> bool:
@@ -35,156 +48,75 @@ def secret_env_name(key: str) -> str:
 def hide_command_line_secrets(argv: list[str], environ: dict[str, str]) -> list[str]:
     """argv with every plain secret override `KEY=VALUE` (a secret-looking KEY, or a VALUE
     holding a known secret) rewritten to `KEY=${oc.env:NAME}`, and VALUE stored in
-    environ[NAME]. Hydra records overrides in .hydra/, multirun.yaml and its console log, and
-    W&B records argv: all of them now hold only the variable's name."""
+    environ[NAME]; a sweep `KEY=A,B` becomes `KEY=${oc.env:NAME_0},${oc.env:NAME_1}`. Hydra
+    records overrides in .hydra/, multirun.yaml, a job's name and its console log, and W&B
+    records argv: all of them now hold only the variables' names."""
     known = env_secret_values(environ)
     overrides, _ = parse_command_line(argv)
     rewritten = {}
     for override in overrides:
-        value = override.value()
-        if override.is_delete() or override.is_sweep_override() or override.package is not None:
-            continue
-        if not isinstance(value, str | int | float) or isinstance(value, bool) or value == "":
-            continue
-        text = str(value)
-        if "${" in text:
-            continue  # already a reference, not the secret itself
         key = override.key_or_group
-        if is_config_group(key) or not (is_secret_name(key) or redact(text, known) != text):
+        if override.is_delete() or override.package is not None or is_config_group(key):
+            continue
+        values = _plain_values(override)
+        if values is None or not any(
+            is_secret_name(key) or redact(text, known) != text for text in values
+        ):
             continue
         name = secret_env_name(key)
-        environ[name] = text
+        names = [f"{name}_{i}" for i in range(len(values))] if len(values) > 1 else [name]
+        environ.update(zip(names, values, strict=True))
         prefix = override.input_line.split("=", 1)[0]
-        rewritten[override.input_line] = f"{prefix}=${{oc.env:{name}}}"
+        references = ",".join(f"${{oc.env:{name}}}" for name in names)
+        rewritten[override.input_line] = f"{prefix}={references}"
     return [rewritten.get(arg, arg) for arg in argv]
 
 
-# --- what may be written --------------------------------------------------------------------
-REDACTED = "***REDACTED***"
-MIN_SECRET_LENGTH = 6  # shorter values (true, 1, dev) would blank out unrelated text
-SECRET_WORDS = frozenset(
-    {
-        "key",
-        "apikey",
-        "token",
-        "password",
-        "passwd",
-        "passphrase",
-        "secret",
-        "secrets",
-        "credential",
-        "credentials",
-    }
-)
-# A secret-looking environment variable ending in one of these holds a location or a setting,
-# not the secret (SSL_KEY_FILE=/etc/ssl/key.pem, REDIS_KEY_PREFIX=app): redacting its value
-# would blank out unrelated text (paths, host names) in what we write.
-NOT_SECRET_LAST_WORDS = frozenset(
-    {
-        "file",
-        "path",
-        "dir",
-        "sock",
-        "socket",
-        "url",
-        "host",
-        "port",
-        "name",
-        "prefix",
-        "region",
-        "user",
-        "username",
-        "type",
-        "mode",
-    }
-)
+def _plain_values(override: Any) -> list[str] | None:
+    """The values an override sets, as text: one, or each of a sweep's plain choices (`A,B`,
+    `choice(A,B)`); None for anything else (a range, a dict, a reference `${...}`)."""
+    value = override.value()
+    if override.is_sweep_override():
+        if not isinstance(value, ChoiceSweep):
+            return None
+        value = value.list
+    values = value if isinstance(value, list) and override.is_sweep_override() else [value]
+    texts = []
+    for item in values:
+        if not isinstance(item, str | int | float) or isinstance(item, bool) or item == "":
+            return None
+        if "${" in str(item):
+            return None  # already a reference, not the secret itself
+        texts.append(str(item))
+    return texts
 
 
-def name_words(name: str) -> list[str]:
-    """`WANDB_API_KEY` -> wandb, api, key; `apiKey` -> api, key; `data.api_token` -> data,
-    api, token. Whole words only: `max_tokens`, `tokenizer`, `keep`, `monkey` hold no secret."""
-    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", name)
-    return [word for word in re.split(r"[^A-Za-z0-9]+", spaced.lower()) if word]
-
-
-def is_secret_name(name: str) -> bool:
-    return any(word in SECRET_WORDS for word in name_words(name))
-
-
-def _secret_text(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        return None
-    text = str(value)
-    return text if len(text) >= MIN_SECRET_LENGTH else None
-
-
-def env_secret_values(environ: Mapping[str, str]) -> set[str]:
-    """Values of secret-looking environment variables (WANDB_API_KEY, HF_TOKEN, ...)."""
-    values = set()
-    for name, value in environ.items():
-        words = name_words(name)
-        if is_secret_name(name) and words[-1] not in NOT_SECRET_LAST_WORDS and _secret_text(value):
-            values.add(value)
-        values |= url_passwords(value)  # MLFLOW_TRACKING_URI=https://user:password@host
-    return values
+# --- what may be written: which values are secret is core/secrets.py's ------------------
+def redact(value: Any, secrets: Iterable[str], secret_key: bool = False) -> Any:
+    """A copy of value (str, dict, list, scalar) with each secret replaced by REDACTED, and
+    every scalar under a secret-looking key replaced whole (core/secrets.py's `scrub`)."""
+    return scrub(value, secrets, secret_key)
 
 
 def secret_values(cfg: Any, environ: Mapping[str, str]) -> set[str]:
-    """Values at secret-looking config paths (resolved) plus secret environment values."""
-    values = env_secret_values(environ)
+    """Values at secret-looking config paths (resolved: reading ${oc.env:...} makes its value
+    a secret too) plus the environment's secrets."""
+    values = set()
     for path, value in iter_leaves(cfg):
-        text = _secret_text(value)
+        text = secret_text(value)
         if text and is_secret_name(path):
             values.add(text)
         if isinstance(value, str):
             values |= url_passwords(value)
-    return values
+    return values | env_secret_values(environ)  # after the leaves: they note what they read
 
 
-# The password of a URL's credentials (`https://user:password@host`, a tracking URI, a data
-# mirror): redacted wherever a URL appears, under any key.
-URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)(?P<password>[^@\s/]+)@")
-
-
-def url_passwords(text: str) -> set[str]:
-    """Passwords long enough to be replaced wherever else they appear (a log line quoting
-    one without its URL); a URL itself is always redacted by pattern."""
-    return {
-        match["password"]
-        for match in URL_PASSWORD.finditer(text)
-        if len(match["password"]) >= MIN_SECRET_LENGTH
-    }
-
-
-def _redact_url_passwords(text: str) -> str:
-    return URL_PASSWORD.sub(lambda match: f"{match['head']}{REDACTED}@", text)
-
-
-def redact(value: Any, secrets: Iterable[str], secret_key: bool = False) -> Any:
-    """A copy of value (str, dict, list, scalar) with each secret replaced by REDACTED, and
-    every scalar under a secret-looking key replaced whole."""
-    if isinstance(value, Mapping):
-        return {
-            key: redact(item, secrets, secret_key or is_secret_name(str(key)))
-            for key, item in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return [redact(item, secrets, secret_key) for item in value]
-    if secret_key and _secret_text(value) is not None:
-        return REDACTED
-    if isinstance(value, str):
-        value = _redact_url_passwords(value)
-        for secret in sorted(secrets, key=len, reverse=True):  # longest first: no partial leaks
-            value = value.replace(secret, REDACTED)
-    return value
-
-
-# Secrets seen in configs this process redacted, so the log filter knows them too.
-_seen_secrets: set[str] = set()
-
-
-def known_secrets() -> set[str]:
-    return env_secret_values(os.environ) | _seen_secrets
+def remember_secrets(cfg: Any) -> set[str]:
+    """cfg's secrets, remembered by this process for every later scrub (its log records, its
+    console)."""
+    secrets = secret_values(cfg, os.environ)
+    remember(secrets)
+    return secrets
 
 
 def plain(cfg: DictConfig | ListConfig, resolve: bool = True) -> Any:
@@ -195,29 +127,7 @@ def plain(cfg: DictConfig | ListConfig, resolve: bool = True) -> Any:
 
 def redacted_container(cfg: DictConfig) -> dict:
     """The resolved config as a plain dict with secrets redacted: for config.yaml and W&B."""
-    secrets = secret_values(cfg, os.environ)
-    _seen_secrets.update(secrets)
-    return redact(plain(cfg), secrets)
-
-
-class SecretFilter(logging.Filter):
-    """Redacts known secrets from every record a handler writes (message and traceback)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        secrets = known_secrets()
-        if not secrets:
-            return True
-        try:
-            message = record.getMessage()
-        except Exception:  # noqa: BLE001 (a broken format string: logging reports it)
-            return True
-        if redact(message, secrets) != message:
-            record.msg, record.args = redact(message, secrets), None
-        if record.exc_info and not record.exc_text:
-            record.exc_text = logging.Formatter().formatException(record.exc_info)
-        if record.exc_text:
-            record.exc_text = redact(record.exc_text, secrets)
-        return True
+    return redact(plain(cfg), remember_secrets(cfg))
 
 
 # --- Hydra's records ------------------------------------------------------------------------
@@ -225,8 +135,7 @@ def write_hydra_record(config: DictConfig, folder: Path) -> None:
     """Hydra's config.yaml / hydra.yaml / overrides.yaml, redacted and unresolved as Hydra
     writes them. Hydra writes its own copy before any callback could redact it, so ours runs
     with hydra.output_subdir=null and this writes the record instead (from on_job_start)."""
-    secrets = secret_values(config, os.environ)
-    _seen_secrets.update(secrets)
+    secrets = remember_secrets(config)
     task = {key: value for key, value in plain(config, resolve=False).items() if key != "hydra"}
     files = {
         "config.yaml": task,
@@ -240,8 +149,9 @@ def write_hydra_record(config: DictConfig, folder: Path) -> None:
 
 
 # In a multirun, these parts of the master config are never read again: every job re-composes
-# its own config from the overrides. The rest of Hydra's node (overrides, sweeper, launcher,
-# sweep dir) is, so it is left as it is; secrets typed as overrides are already hidden there.
+# its own config from the overrides, and the sweeper took its parameters when Hydra built it,
+# before our callback runs. The rest of Hydra's node (overrides, launcher, sweep dir) is read
+# again, so it is left as it is; secrets typed as overrides are already hidden there.
 MULTIRUN_MASTER_REDACTED = ("hydra.job.env_set",)
 
 
@@ -260,3 +170,17 @@ def redact_multirun_master(cfg: DictConfig) -> None:
                 OmegaConf.update(cfg, path, clean, merge=False)
             except Exception:  # noqa: BLE001 (a typed number node cannot hold REDACTED)
                 continue
+    _redact_sweeper_params(cfg, secrets)
+
+
+def _redact_sweeper_params(cfg: DictConfig, secrets: set[str]) -> None:
+    """hydra.sweeper.params (`+data.api_token: a,b`): its keys hold dots, so each is redacted
+    in its own node."""
+    params = OmegaConf.select(cfg, "hydra.sweeper.params")
+    if not isinstance(params, DictConfig):
+        return
+    for key, value in plain(params, resolve=False).items():
+        clean = redact(value, secrets, is_secret_name(str(key)))
+        if clean != value:
+            with read_write(params), open_dict(params):
+                params[key] = clean

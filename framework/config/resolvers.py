@@ -5,14 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
 from hydra.plugins.config_source import ConfigSource
 from omegaconf import OmegaConf
+from omegaconf.resolvers import oc
 
 from framework.core import launch_context
 from framework.core.devices import visible_gpus
+from framework.core.secrets import note_env_read
 
 
 def run_stamp() -> str:
@@ -86,7 +89,15 @@ def group_listing(sources: Sequence[ConfigSource]) -> str:
     return "\n".join(lines)
 
 
+def env(key: str, *default: Any) -> Any:
+    """OmegaConf's own `oc.env`, which also records the name it read: the value is a secret from
+    then on, scrubbed from all that is written (core/secrets.py)."""
+    note_env_read(key)
+    return oc.env(key, *default)
+
+
 def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("oc.env", env, replace=True)
     OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("default_ranks", default_ranks, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)

@@ -30,6 +30,8 @@ from typing import NoReturn
 
 from hydra.errors import CompactHydraException
 
+from framework.core.secrets import scrub_text
+
 
 def first_line(error: BaseException, limit: int = 160) -> str:
     """An exception's first line, for a one-line message that names its cause."""
@@ -128,7 +130,13 @@ class Outcome:
 
 def outcome_of(error: BaseException, rank: int = 0, timeout_s: float = 0.0) -> Outcome:
     """The exit code of a process (rank `rank`, or a launcher: 0) that ends with `error`, and
-    what it prints (call from `except`: a failure prints the current traceback)."""
+    what it prints (call from `except`: a failure prints the current traceback), secrets
+    scrubbed from both."""
+    outcome = _outcome_of(error, rank, timeout_s)
+    return Outcome(outcome.code, scrub_text(outcome.printed), scrub_text(outcome.reason))
+
+
+def _outcome_of(error: BaseException, rank: int, timeout_s: float) -> Outcome:
     if isinstance(error, WorkerFailed):  # a launcher names the rank that caused it
         return Outcome(ExitCode.FAILED, f"error: {error}", str(error))
     if isinstance(error, Rejected):

@@ -7,12 +7,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
 from framework.core.exits import Outcome, Rejected, Stopped, announce, outcome_of
 from framework.core.launch_context import DistEnv
+from framework.core.secrets import scrubbed_console
 from framework.launch.failure_store import tell_launcher
 from framework.rank.main import rank_main
 
@@ -32,6 +33,18 @@ def enter_rank(
     reads (after a stop: stop_exit_code, if given), and the reason goes to the launcher's
     store. In the process that runs the app (one rank in the process, a SLURM job's rank 0),
     the outcome is raised for the app to report."""
+    with scrubbed_console():  # what a library prints in a rank (W&B, a warning)
+        return _enter_rank(cfg, run_dir, env, store, own_process, stop_exit_code)
+
+
+def _enter_rank(
+    cfg: DictConfig,
+    run_dir: Path,
+    env: DistEnv,
+    store: Any,
+    own_process: bool,
+    stop_exit_code: int | None,
+) -> dict | None:
     if not own_process:
         return rank_main(cfg, run_dir, env, store)
     try:

@@ -389,7 +389,14 @@ def test_secret_overrides_move_to_the_environment_and_still_resolve(monkeypatch)
     hidden = hide_command_line_secrets(argv, environ)
     assert hidden[1] == "+data.api_token=${oc.env:FRAMEWORK_SECRET_DATA_API_TOKEN}"
     assert hidden[3] == "+logger.note=${oc.env:FRAMEWORK_SECRET_LOGGER_NOTE}"  # a known value
-    assert [hidden[i] for i in (0, 2, 4)] == [argv[i] for i in (0, 2, 4)]  # a sweep stays
+    assert [hidden[i] for i in (0, 2)] == [argv[i] for i in (0, 2)]
+    # A swept secret: each value its own variable (Hydra's "Launching" lines, a job's name and
+    # the sweep summary show the references).
+    assert hidden[4] == (
+        "+data.password=${oc.env:FRAMEWORK_SECRET_DATA_PASSWORD_0},"
+        "${oc.env:FRAMEWORK_SECRET_DATA_PASSWORD_1}"
+    )
+    assert environ["FRAMEWORK_SECRET_DATA_PASSWORD_1"] == "b1234567"
     assert environ["FRAMEWORK_SECRET_DATA_API_TOKEN"] == SECRET
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
