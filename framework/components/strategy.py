@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -36,8 +36,10 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from framework.components.meta_init import MetaUnsupported, Recipe, build_on_meta, materialize
 from framework.core.distributed import wrap_ddp
 from framework.core.exits import ConfigError
+from framework.core.heap import give_back_freed_heap
 from framework.core.launch_context import DistEnv
 from framework.storage.sharded import ShardedState
 
@@ -64,6 +66,15 @@ class DDP:
 
     name = "ddp"
     shards = False  # parameters (and their gradients) are whole on every rank
+
+    def build(
+        self, new_module: Callable[[], nn.Module], env: DistEnv
+    ) -> tuple[nn.Module, Recipe | None]:
+        """The model, whole on this rank (and no recipe: its values are already there)."""
+        return new_module(), None
+
+    def materialize(self, recipe: Recipe, modules: list[nn.Module], device: torch.device) -> None:
+        """Give a model that `build` made on the meta device (and `wrap` sharded) its values."""
 
     def wrap(
         self,
@@ -125,6 +136,39 @@ class FSDP(DDP):
         self.block_classes = None if block_classes is None else list(block_classes)
         self.reshard_after_forward = reshard_after_forward
         self.shards = False  # until wrap() shards: one rank trains the whole model
+
+    def build(
+        self, new_module: Callable[[], nn.Module], env: DistEnv
+    ) -> tuple[nn.Module, Recipe | None]:
+        """On several ranks, the model on the meta device (no rank ever holds it whole) and the
+        recipe of a whole build's values. A model whose constructor cannot run there is refused
+        in one line naming the module and why: building it whole on every rank would defeat
+        the reason to shard it."""
+        if not env.distributed:
+            return new_module(), None
+        if give_back_freed_heap():
+            log.info("strategy=fsdp: freed memory goes back to the OS (glibc's thresholds)")
+        try:
+            return build_on_meta(new_module)
+        except MetaUnsupported as error:
+            raise ConfigError(
+                f"strategy=fsdp: {error.module} cannot be built on the meta device "
+                f"({error.reason}), so no rank could build only its shards; make its "
+                "constructor use only tensor operations (no .item(), no other device), or use "
+                "strategy=ddp"
+            ) from error
+
+    def materialize(self, recipe: Recipe, modules: list[nn.Module], device: torch.device) -> None:
+        """Room for each rank's own shards only, then the values a whole build gives them
+        (same generator, same order: the same initial weights as strategy=ddp)."""
+        for module in modules:
+            module.to_empty(device=device)
+        held = materialize(recipe, modules)
+        log.info(
+            "strategy=fsdp: built on the meta device; each rank initialised only its shards "
+            "(at most %.1f MiB of whole tensors held at once)",
+            held / 2**20,
+        )
 
     def wrap(
         self,
