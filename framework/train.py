@@ -89,6 +89,13 @@ def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:
         wandb.run_name = wandb.run_name or f"{job.num}-{job.override_dirname}"[:128]
 
 
+def memory_estimate(cfg: DictConfig) -> str:
+    """mode=estimate: the memory ledger of this config per rank (imports the training stack)."""
+    from framework.rank.estimate import estimate_text
+
+    return estimate_text(cfg)
+
+
 def main() -> None:
     startup_clock.mark("imports")
     here = launch_context.current()
@@ -108,7 +115,10 @@ def main() -> None:
         if (text := help_text(sys.argv[1:])) is not None:
             print(text)
             return
-        check_composed_hydra_node(sys.argv[1:], app=True)
+        cfg = check_composed_hydra_node(sys.argv[1:], app=True)
+        if cfg is not None and cfg.mode == "estimate":  # before any rank, run dir or training
+            print(memory_estimate(cfg))
+            return
     except ConfigError as error:
         end(error, rank=here.global_rank())  # under torchrun rank 0 says it once
     # Secrets typed as overrides move to environment variables: Hydra's records, its console

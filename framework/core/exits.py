@@ -164,7 +164,7 @@ def outcome_of(error: BaseException, rank: int = 0, timeout_s: float = 0.0) -> O
     if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C: stopped without a checkpoint
         return Outcome(ExitCode.INTERRUPTED)
     text = str(error)
-    if isinstance(error, MemoryError) or any(m in text for m in _OUT_OF_MEMORY_MARKERS):
+    if is_out_of_memory(error):
         said = out_of_memory(rank, error)
         return Outcome(ExitCode.OUT_OF_MEMORY, f"error: {said}", said)
     if any(marker in text for marker in _PEER_LOST_MARKERS):
@@ -183,6 +183,12 @@ def outcome_of(error: BaseException, rank: int = 0, timeout_s: float = 0.0) -> O
         f"rank {rank} failed:\n{traceback.format_exc()}",
         f"{type(error).__name__}: {error}",
     )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation failed: Python's MemoryError, or torch's allocators saying so."""
+    text = str(error)
+    return isinstance(error, MemoryError) or any(m in text for m in _OUT_OF_MEMORY_MARKERS)
 
 
 def out_of_memory(rank: int, error: BaseException) -> str:

@@ -11,7 +11,16 @@ from typing import NoReturn
 
 from omegaconf import DictConfig
 
-from framework.core.exits import Outcome, Rejected, Stopped, announce, outcome_of
+from framework.core.exits import (
+    Outcome,
+    OutOfMemory,
+    Rejected,
+    Stopped,
+    announce,
+    is_out_of_memory,
+    out_of_memory,
+    outcome_of,
+)
 from framework.core.launch_context import DistEnv
 from framework.launch.failure_store import tell_launcher
 from framework.rank.main import rank_main
@@ -33,7 +42,12 @@ def enter_rank(
     store. In the process that runs the app (one rank in the process, a SLURM job's rank 0),
     the outcome is raised for the app to report."""
     if not own_process:
-        return rank_main(cfg, run_dir, env, store)
+        try:
+            return rank_main(cfg, run_dir, env, store)
+        except Exception as error:
+            if is_out_of_memory(error):  # the app says it in one line and exits as the table says
+                raise OutOfMemory(out_of_memory(env.rank, error)) from None
+            raise
     try:
         return rank_main(cfg, run_dir, env, store)
     except BaseException as error:  # noqa: BLE001 (every way out becomes an exit code)

@@ -196,6 +196,7 @@ def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimizat
     comm = instantiate(cfg.comm)(env=env)
     comm.guard_nonfinite = parts.trainer.on_nonfinite == "skip"
     comm.attach(model.train, model.module, grad_scale=precision.loss_scale)
+    comm.sharded = model.strategy.wire_bytes(model.module, parts.trainer.grad_accum)
     lr = scaled_lr(cfg.optimizer, parts.global_batch_size)
     log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)
     overrides = model.strategy.optimizer_overrides(cfg.optimizer)

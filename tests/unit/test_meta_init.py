@@ -123,7 +123,9 @@ def test_fsdp_refuses_a_model_it_cannot_build_on_meta_in_one_line_naming_the_mod
     from framework.core.launch_context import DistEnv
 
     with pytest.raises(ConfigError) as raised:
-        FSDP(block_classes=None, reshard_after_forward=True).build(Outer, DistEnv(world_size=2))
+        FSDP(block_classes=None, reshard_after_forward=True, activation_checkpointing=False).build(
+            Outer, DistEnv(world_size=2)
+        )
     outcome = outcome_of(raised.value)
     assert outcome.code == ExitCode.CONFIG_REJECTED == 2
     (line,) = str(raised.value).splitlines()
