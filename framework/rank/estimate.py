@@ -33,9 +33,9 @@ META = torch.device("meta")
 
 
 def world_size_of(launcher: DictConfig) -> int:
-    """The ranks the launcher would start: nproc_per_node on each node (the most nodes an
-    elastic MIN:MAX allows)."""
-    nodes = str(launcher.get("nnodes", "1")).split(":")[-1]
+    """The ranks the launcher would start: nproc_per_node on each node (torchrun's nnodes, the
+    most an elastic MIN:MAX allows; SLURM's nodes)."""
+    nodes = str(launcher.get("nnodes", launcher.get("nodes", 1))).split(":")[-1]
     return int(launcher.nproc_per_node) * int(nodes)
 
 

@@ -16,7 +16,7 @@ from framework.components.optim import build_optimizer
 from framework.components.strategy import DDP
 from framework.components.tasks import first_batch
 from framework.core.exits import ConfigError
-from framework.rank.estimate import estimate_ledgers
+from framework.rank.estimate import estimate_ledgers, shard_rows, world_size_of
 from tests.conftest import make_cfg
 
 GPT = (
@@ -89,3 +89,23 @@ def test_activation_checkpointing_of_a_model_without_known_blocks_is_refused():
     module = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match=r"^strategy.activation_checkpointing=true: Sequential"):
         DDP(activation_checkpointing=True).checkpoint_activations(module)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ranks"),
+    [
+        (("launcher.nproc_per_node=3",), 3),
+        (("launcher=torchrun", "launcher.nproc_per_node=2", "launcher.nnodes=1:4"), 8),
+        (("launcher=slurm", "launcher.nproc_per_node=4", "launcher.nodes=2"), 8),
+    ],
+)
+def test_the_estimate_is_for_the_ranks_the_launcher_would_start(overrides, ranks):
+    assert world_size_of(make_cfg(*overrides).launcher) == ranks
+
+
+def test_fsdp_rows_per_rank_are_torch_chunks():
+    for rows in (1, 7, 33, 128):
+        for world in (1, 2, 3, 4, 8):
+            chunks = [len(c) for c in torch.arange(rows).chunk(world)]
+            chunks += [0] * (world - len(chunks))
+            assert [shard_rows(rows, rank, world) for rank in range(world)] == chunks
