@@ -60,6 +60,11 @@ def hydra_app(cfg: DictConfig) -> float | None:
         return None
     try:
         validate(cfg)
+        if cfg.mode == "estimate":  # a single run printed it before Hydra started
+            raise ConfigError(
+                "mode=estimate prints one config's memory per rank: run it without -m "
+                "(one command per setting you would sweep)"
+            )
         if sweep_job:
             join_sweep(cfg, RunDir(run_dir), hydra_cfg)
         OmegaConf.resolve(cfg)
