@@ -65,6 +65,11 @@ def hydra_app(cfg: DictConfig) -> float | None:
         return None
     try:
         validate(cfg)
+        if cfg.mode == "estimate":  # a single run printed it before Hydra started
+            raise ConfigError(
+                "mode=estimate prints one config's memory per rank: run it without -m "
+                "(one command per setting you would sweep)"
+            )
         if sweep_job:
             join_sweep(cfg, RunDir(run_dir), hydra_cfg)
         OmegaConf.resolve(cfg)
@@ -101,6 +106,13 @@ def _adopted_line(argv: list[str], record: Path, adopted: list[str]) -> str:
     return f"resuming with the run's own overrides from {record}: {taken}"
 
 
+def memory_estimate(cfg: DictConfig) -> str:
+    """mode=estimate: the memory ledger of this config per rank (imports the training stack)."""
+    from framework.rank.estimate import estimate_text
+
+    return estimate_text(cfg)
+
+
 def main() -> None:
     """`train`: every line it (and Hydra, and a rank in this process) prints or logs is
     scrubbed of secrets (core/secrets.py)."""
@@ -129,7 +141,10 @@ def _main() -> None:
         if (text := help_text(sys.argv[1:])) is not None:
             print(text)
             return
-        check_composed_hydra_node(sys.argv[1:], app=True)
+        cfg = check_composed_hydra_node(sys.argv[1:], app=True)
+        if cfg is not None and cfg.mode == "estimate":  # before any rank, run dir or training
+            print(memory_estimate(cfg))
+            return
     except ConfigError as error:
         end(error, rank=here.global_rank())  # under torchrun rank 0 says it once
     # Secrets typed as overrides move to environment variables: Hydra's records, its console

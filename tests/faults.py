@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import signal
 import time
 
@@ -110,6 +111,34 @@ class FaultyGPT(_Faults, GPT):
         if self.training and (kind := self._fault_due()):
             _act(kind)
         return super().forward(tokens)
+
+
+MEMORY_CAP_ENV = "FRAMEWORK_TEST_MEMORY_CAP_MIB"
+
+
+class MemoryCappedGPT(GPT):
+    """framework.components.models.GPT in a rank whose memory is capped: its first construction
+    in the process (on the meta device under strategy=fsdp) sets RLIMIT_DATA (private writable
+    memory: the heap and anonymous mappings, where tensors live) to what the rank holds now plus
+    FRAMEWORK_TEST_MEMORY_CAP_MIB. Every later allocation past that fails as on a full host."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        cap_memory_once()
+        super().__init__(*args, **kwargs)
+
+
+_capped: list[int] = []
+
+
+def cap_memory_once() -> None:
+    budget = os.environ.get(MEMORY_CAP_ENV)
+    if not budget or _capped:
+        return
+    with open("/proc/self/status") as status:
+        held_kib = next(int(line.split()[1]) for line in status if line.startswith("VmData:"))
+    cap = held_kib * 1024 + int(budget) * 2**20
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+    _capped.append(cap)
 
 
 def _act(kind: str) -> None:

@@ -35,15 +35,17 @@ from framework.core.exits import ConfigError
 APP_FILE = Path(__file__).resolve().parents[1] / "train.py"  # where @hydra.main is
 
 
-def check_composed_hydra_node(argv: list[str], app: bool = False) -> None:
+def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig | None:
     """Raise ConfigError when a composed Hydra node (the run's, or any sweep job's) names code
     that is not allowed, or (`app`) when the rest of it is not a valid config. Compositions
-    Hydra will refuse itself are left to Hydra."""
+    Hydra will refuse itself are left to Hydra. Returns the run's config once validated (a
+    single run's, with `app`), else None."""
     args = parsed_arguments(argv)
     if args is None or args.overrides is None:
-        return
+        return None
     register_configs()  # the schemas the YAML files extend (train.py registers them too)
     loader = ConfigLoaderImpl(config_search_path=search_path(args))
+    validated = None
     for cfg in _compositions(loader, args):
         hydra_node = OmegaConf.to_container(cfg.hydra, resolve=False)
         assert isinstance(hydra_node, dict)
@@ -51,6 +53,8 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> None:
         remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
         if app and not (args.multirun or args.cfg):  # (a sweep: each job, in Hydra; --cfg: shown)
             _validate(cfg)
+            validated = cfg
+    return validated
 
 
 def _validate(cfg: DictConfig) -> None:

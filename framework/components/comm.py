@@ -62,6 +62,8 @@ class Comm:
         self.uncompressed_bytes = 0
         self.last_step_bytes = 0
         self._round_bytes = 0
+        # Bytes a sharded model's collectives move per step, by kind (strategy.wire_bytes).
+        self.sharded: dict[str, int] | None = None
 
     def attach(self, ddp_model: nn.Module, model: nn.Module, grad_scale: ScaleSource) -> None:
         """Register the hook on a (new) DDP instance; call again after restoring state."""
@@ -92,6 +94,13 @@ class Comm:
         self.last_step_bytes, self._round_bytes = self._round_bytes, 0
 
     def metrics(self) -> dict[str, float]:
+        if self.sharded is not None:  # strategy=fsdp: its collectives, no gradient all-reduce
+            return {
+                "comm/bytes_per_step": sum(self.sharded.values()),
+                "comm/all_gather_bytes_per_step": self.sharded["all_gather"],
+                "comm/reduce_scatter_bytes_per_step": self.sharded["reduce_scatter"],
+                "comm/compression": 1.0,
+            }
         sent = self.last_step_bytes
         return {
             "comm/bytes_per_step": sent,

@@ -12,8 +12,9 @@ again on load) for a one-file checkpoint, or each rank's own shards for a sharde
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,9 +36,12 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint
 
+from framework.components.meta_init import MetaUnsupported, Recipe, build_on_meta, materialize
 from framework.core.distributed import wrap_ddp
 from framework.core.exits import ConfigError
+from framework.core.heap import give_back_freed_heap
 from framework.core.launch_context import DistEnv
 from framework.core.versions import reduce_fsdp_gradients_by_sum
 from framework.storage.sharded import ShardedState
@@ -66,6 +70,43 @@ class DDP:
     name = "ddp"
     shards = False  # parameters (and their gradients) are whole on every rank
 
+    def __init__(self, activation_checkpointing: bool) -> None:
+        self.activation_checkpointing = activation_checkpointing
+
+    def checkpoint_activations(self, module: nn.Module) -> None:
+        """strategy.activation_checkpointing: each block of the model keeps only its input for
+        backward and runs its forward again there (the same values: the RNG state is replayed)."""
+        if not self.activation_checkpointing:
+            return
+        names = self._block_names(module)
+        found = blocks(module, names)
+        if not found:
+            raise ConfigError(
+                f"strategy.activation_checkpointing=true: {type(module).__name__} has no blocks "
+                f"to checkpoint (known: {', '.join(sorted(DEFAULT_BLOCKS))}); under "
+                "strategy=fsdp name them with strategy.block_classes, or set it to false"
+            )
+        for block in found:
+            block.forward = functools.partial(checkpointed, block.forward)
+        log.info(
+            "strategy.activation_checkpointing: %d block(s) of %s recompute their forward in "
+            "backward",
+            len(found),
+            ", ".join(names),
+        )
+
+    def _block_names(self, module: nn.Module) -> tuple[str, ...]:
+        return default_blocks(module)
+
+    def build(
+        self, new_module: Callable[[], nn.Module], env: DistEnv
+    ) -> tuple[nn.Module, Recipe | None]:
+        """The model, whole on this rank (and no recipe: its values are already there)."""
+        return new_module(), None
+
+    def materialize(self, recipe: Recipe, modules: list[nn.Module], device: torch.device) -> None:
+        """Give a model that `build` made on the meta device (and `wrap` sharded) its values."""
+
     def wrap(
         self,
         module: nn.Module,
@@ -76,7 +117,12 @@ class DDP:
         param_dtype: torch.dtype | None = None,
     ) -> nn.Module:
         """What forward and backward run on (the bare module on one rank)."""
+        self.checkpoint_activations(module)
         return wrap_ddp(module, device, ddp_options) if env.distributed else module
+
+    def wire_bytes(self, module: nn.Module, micro_batches: int) -> dict[str, int] | None:
+        """What a training step moves, when it is not DDP's gradient all-reduce (comm.py)."""
+        return None
 
     def gather_around(self, module: nn.Module, methods: Iterable[str]) -> None:
         """Let `module`'s methods besides forward (a VAE's decode) run on it as forward does:
@@ -122,10 +168,46 @@ class FSDP(DDP):
         self,
         block_classes: list[str] | None,
         reshard_after_forward: bool,
+        activation_checkpointing: bool,
     ) -> None:
+        super().__init__(activation_checkpointing)
         self.block_classes = None if block_classes is None else list(block_classes)
         self.reshard_after_forward = reshard_after_forward
         self.shards = False  # until wrap() shards: one rank trains the whole model
+        self.gathered_dtype: torch.dtype | None = None  # what parameters are gathered in
+
+    def build(
+        self, new_module: Callable[[], nn.Module], env: DistEnv
+    ) -> tuple[nn.Module, Recipe | None]:
+        """On several ranks, the model on the meta device (no rank ever holds it whole) and the
+        recipe of a whole build's values. A model whose constructor cannot run there is refused
+        in one line naming the module and why: building it whole on every rank would defeat
+        the reason to shard it."""
+        if not env.distributed:
+            return new_module(), None
+        if give_back_freed_heap():
+            log.info("strategy=fsdp: freed memory goes back to the OS (glibc's thresholds)")
+        try:
+            return build_on_meta(new_module)
+        except MetaUnsupported as error:
+            raise ConfigError(
+                f"strategy=fsdp: {error.module} cannot be built on the meta device "
+                f"({error.reason}), so no rank could build only its shards; make its "
+                "constructor use only tensor operations (no .item(), no other device), or use "
+                "strategy=ddp"
+            ) from error
+
+    def materialize(self, recipe: Recipe, modules: list[nn.Module], device: torch.device) -> None:
+        """Room for each rank's own shards only, then the values a whole build gives them
+        (same generator, same order: the same initial weights as strategy=ddp)."""
+        for module in modules:
+            module.to_empty(device=device)
+        held = materialize(recipe, modules)
+        log.info(
+            "strategy=fsdp: built on the meta device; each rank initialised only its shards "
+            "(at most %.1f MiB of whole tensors held at once)",
+            held / 2**20,
+        )
 
     def wrap(
         self,
@@ -136,6 +218,7 @@ class FSDP(DDP):
         ddp_options: Mapping[str, Any],
         param_dtype: torch.dtype | None = None,
     ) -> nn.Module:
+        self.checkpoint_activations(module)  # (the EMA runs no backward)
         if not env.distributed:
             log.warning("strategy=fsdp with world_size=1: nothing to shard, the model trains whole")
             return module
@@ -160,6 +243,7 @@ class FSDP(DDP):
             )
             reduce_fsdp_gradients_by_sum(target)
         self.shards = True
+        self.gathered_dtype = param_dtype
         log.info(
             "strategy=fsdp: %d block(s) of %s, then the root, sharded over %d ranks",
             units,
@@ -170,7 +254,7 @@ class FSDP(DDP):
 
     def _block_names(self, module: nn.Module) -> tuple[str, ...]:
         if self.block_classes is None:
-            return DEFAULT_BLOCKS.get(type(module).__name__, ())
+            return default_blocks(module)
         present = {qualified for sub in module.modules() for qualified in class_names(sub)}
         unknown = [name for name in self.block_classes if name not in present]
         if unknown:
@@ -181,6 +265,22 @@ class FSDP(DDP):
                 "them, or null for the model's default"
             )
         return tuple(self.block_classes)
+
+    def wire_bytes(self, module: nn.Module, micro_batches: int) -> dict[str, int] | None:
+        """Bytes FSDP2's collectives move in one optimizer step, counted as DDP's are (each
+        collective's whole unsharded buffer): per unit, every micro-batch all-gathers its padded
+        shards (N x ceil(rows / N) rows of each parameter) for forward, and a block resharded
+        after forward once more for backward; the last micro-batch reduce-scatters the
+        gradients of the same size."""
+        if not self.shards:
+            return None
+        gathers = micro_batches * (2 if self.reshard_after_forward else 1)
+        gathered = scattered = 0
+        for parameter in module.parameters():  # each in one unit's buffers
+            padded = padded_numel(parameter) * (self.gathered_dtype or parameter.dtype).itemsize
+            gathered += gathers * padded
+            scattered += padded if parameter.requires_grad else 0
+        return {"all_gather": gathered, "reduce_scatter": scattered}
 
     def gather_around(self, module: nn.Module, methods: Iterable[str]) -> None:
         """FSDP gathers a sharded module's parameters only around forward: each named method
@@ -224,6 +324,28 @@ def gathered() -> StateDictOptions:
     """Whole tensors gathered to rank 0, on the host: what a checkpoint saves (one process
     has nothing to gather from)."""
     return StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
+
+
+def padded_numel(parameter: torch.Tensor) -> int:
+    """Elements of a sharded parameter's all-gather output: FSDP2 pads its first dimension
+    to a multiple of the ranks (each rank's shard is ceil(rows / N) rows)."""
+    if not isinstance(parameter, DTensor) or parameter.dim() == 0:
+        return parameter.numel()
+    ranks = parameter.device_mesh.size()
+    rows = -(-parameter.shape[0] // ranks) * ranks
+    return parameter.numel() // max(parameter.shape[0], 1) * rows
+
+
+def default_blocks(module: nn.Module) -> tuple[str, ...]:
+    """The repeated blocks of a shipped model (or of a subclass of one)."""
+    kinds = (kind.__name__ for kind in type(module).__mro__)
+    return next((DEFAULT_BLOCKS[kind] for kind in kinds if kind in DEFAULT_BLOCKS), ())
+
+
+def checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`forward` whose intermediate results are not kept for backward but recomputed there
+    (torch.utils.checkpoint, non-reentrant: it works under DDP, FSDP2 and torch.compile)."""
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def class_names(module: nn.Module) -> tuple[str, str]:

@@ -55,6 +55,9 @@ def setting(
 class Mode(StrEnum):
     train = "train"
     eval = "eval"  # evaluate checkpoint.resume on eval.split, without training
+    # print each rank's memory ledger (parameters, gradients, optimizer state, activations)
+    # for this config and launcher.nproc_per_node, from a meta-device build; nothing is run
+    estimate = "estimate"
 
 
 class CheckpointFormat(StrEnum):
@@ -358,7 +361,8 @@ class EvalConfig:
 @dataclass
 class Config:
     # train, or eval: evaluate the checkpoint checkpoint.resume on eval.split, writing into
-    # <its run dir>/eval/ (never over the training run's own files).
+    # <its run dir>/eval/ (never over the training run's own files), or estimate: print each
+    # rank's memory ledger and exit (no run dir).
     mode: Mode = Mode.train
     eval: EvalConfig = field(default_factory=EvalConfig)
     task: Any = setting(MISSING, eval_must_match=True)

@@ -13,6 +13,7 @@ One table for every entry path (a single process, a spawned rank, a torchrun ran
 | a bug or fault on this rank     | any other        | 1         | that rank: its traceback       |
 | a peer vanished mid-collective  | (by its message) | 3         | nobody: the peer or launcher   |
 | a collective timed out          | (by its message) | 4         | that rank: one line            |
+| out of memory (host or GPU)     | (by its message) | 5         | that rank: one line            |
 
 A rank that only lost its peers exits quietly: "connection closed by peer" from every survivor
 would bury the one message that matters. A launcher reads its ranks' exit codes back into one
@@ -21,6 +22,7 @@ exception naming the root cause (`root_cause`).
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import traceback
@@ -44,6 +46,7 @@ class ExitCode(IntEnum):
     CONFIG_REJECTED = 2  # the config (or a checkpoint it names) is wrong; rank 0 said why
     PEER_LOST = 3  # another rank vanished mid-collective; that rank (or the launcher) says why
     COLLECTIVE_TIMEOUT = 4  # no answer within dist.timeout_s; this rank printed one line
+    OUT_OF_MEMORY = 5  # a rank's allocation failed (host or GPU); that rank printed one line
     STOPPED = 75  # stopped on a signal with a checkpoint (EX_TEMPFAIL: run it again)
     INTERRUPTED = 130  # the same after Ctrl-C (128 + SIGINT, what shells expect)
 
@@ -104,6 +107,14 @@ class WorkerFailed(RuntimeError):
         self.detail = detail
 
 
+class OutOfMemory(WorkerFailed):
+    """A rank ran out of memory; it printed one line saying so (`reported`)."""
+
+    def __init__(self, message: str, reported: bool = False) -> None:
+        super().__init__(message)
+        self.reported = reported
+
+
 class JobFailed(CompactHydraException):
     """A sweep job failed: Hydra records it and goes on with the other jobs; the message is
     the job's row in the sweep summary, and Hydra prints it once the sweep is over."""
@@ -117,6 +128,14 @@ _PEER_LOST_MARKERS = (
     "connectFullMesh",
 )
 _TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
+# torch's allocators when the host (DefaultCPUAllocator) or a GPU has no room left.
+_OUT_OF_MEMORY_MARKERS = (
+    "can't allocate memory",
+    "CUDA out of memory",
+    "out of memory",
+    "std::bad_alloc",
+)
+_TRIED = re.compile(r"tried to allocate (\d+) bytes", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -137,6 +156,8 @@ def outcome_of(error: BaseException, rank: int = 0, timeout_s: float = 0.0) -> O
 
 
 def _outcome_of(error: BaseException, rank: int, timeout_s: float) -> Outcome:
+    if isinstance(error, OutOfMemory):  # the rank printed its line
+        return Outcome(ExitCode.OUT_OF_MEMORY, None if error.reported else f"error: {error}")
     if isinstance(error, WorkerFailed):  # a launcher names the rank that caused it
         return Outcome(ExitCode.FAILED, f"error: {error}", str(error))
     if isinstance(error, Rejected):
@@ -151,6 +172,9 @@ def _outcome_of(error: BaseException, rank: int, timeout_s: float) -> Outcome:
     if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C: stopped without a checkpoint
         return Outcome(ExitCode.INTERRUPTED)
     text = str(error)
+    if is_out_of_memory(error):
+        said = out_of_memory(rank, error)
+        return Outcome(ExitCode.OUT_OF_MEMORY, f"error: {said}", said)
     if any(marker in text for marker in _PEER_LOST_MARKERS):
         return Outcome(ExitCode.PEER_LOST)
     if any(marker in text for marker in _TIMEOUT_MARKERS):
@@ -166,6 +190,28 @@ def _outcome_of(error: BaseException, rank: int, timeout_s: float) -> Outcome:
         ExitCode.FAILED,
         f"rank {rank} failed:\n{traceback.format_exc()}",
         f"{type(error).__name__}: {error}",
+    )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation failed: Python's MemoryError, or torch's allocators saying so."""
+    text = str(error)
+    return isinstance(error, MemoryError) or any(m in text for m in _OUT_OF_MEMORY_MARKERS)
+
+
+def out_of_memory(rank: int, error: BaseException) -> str:
+    """One line for a rank that ran out of memory: how much it asked for, and what to change."""
+    text = str(error)
+    asked = _TRIED.search(text)
+    if asked:
+        what = f"it asked for {int(asked.group(1)) / 2**20:.1f} MiB more"
+    else:
+        what = first_line(error, 120) or type(error).__name__
+    return (
+        f"rank {rank} ran out of memory ({what}): `train ... mode=estimate` prints what each "
+        "rank holds; strategy=fsdp shards the parameters, gradients and optimizer state over "
+        "the ranks, and strategy.activation_checkpointing=true or a smaller data.batch_size "
+        "cut the activations"
     )
 
 
@@ -201,6 +247,10 @@ def root_cause(
         return ConfigError(
             said[0] if said else "a rank rejected the config (see above)", reported=True
         )
+    starved = [rank for rank, code in causes if code == ExitCode.OUT_OF_MEMORY]
+    if starved:
+        line = messages.get(starved[0], f"rank {starved[0]} ran out of memory (see above)")
+        return OutOfMemory(line, reported=True)
     stops = (ExitCode.STOPPED, ExitCode.INTERRUPTED)
     stopped = [code for _, code in causes if code in stops]
     if stopped and all(code in (*stops, 0) for _, code in causes):

@@ -22,6 +22,7 @@ import sys
 from multiprocessing import reduction
 
 from framework.core import launch_context, startup_clock
+from framework.core.heap import keep_freed_heap
 from framework.launch import launcher_watch
 
 START_METHOD = "forkserver"
@@ -124,38 +125,6 @@ def launcher_context() -> tuple[dict[str, str], str, list[_LaunchersFd]]:
     stdout and stderr."""
     environ = {**os.environ, launcher_watch.LAUNCHER_PID: str(os.getpid())}
     return environ, os.getcwd(), [_LaunchersFd(1), _LaunchersFd(2)]
-
-
-# glibc's mallopt parameters (malloc.h), and the largest mmap threshold it accepts on 64-bit.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_LARGEST_MMAP_THRESHOLD = 32 << 20
-
-
-def keep_freed_heap(environ: dict[str, str]) -> None:
-    """glibc's malloc in this rank keeps what a training step frees for the next step, instead
-    of giving it back to the OS and faulting it in again (docs/benchmarks.md, "run-to-run
-    spread": measured with perf and strace on `train`'s ranks and a plain torchrun loop's).
-
-    By default glibc trims the top of its heap once more than twice its (moving) mmap threshold
-    lies free there. Whether a step's freed activations and gradients (blocks of 1 to 8 MB for
-    the small CNN) end up there depends on where the small objects allocated meanwhile landed:
-    ranks forked from the fork server's large heap flipped between trimming and growing their
-    heap every step (thousands of page faults a second) and not at all, per rank and from one
-    minute to the next, and DDP runs at the pace of the slower rank.
-
-    Fixed thresholds (they also stop the threshold moving): blocks under 32 MB come from the heap,
-    which is never trimmed, so it stays at the size of the busiest step; larger blocks are their
-    own mappings, given back when freed, as before. Left alone where the user set glibc's malloc
-    thresholds, and where the C library has no mallopt."""
-    chosen = {"MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"} & set(environ)
-    if chosen or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
-        return
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return
-    mallopt(_M_MMAP_THRESHOLD, _LARGEST_MMAP_THRESHOLD)
-    mallopt(_M_TRIM_THRESHOLD, -1)  # -1: never trim
 
 
 def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:

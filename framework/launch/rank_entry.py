@@ -11,7 +11,16 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
-from framework.core.exits import Outcome, Rejected, Stopped, announce, outcome_of
+from framework.core.exits import (
+    Outcome,
+    OutOfMemory,
+    Rejected,
+    Stopped,
+    announce,
+    is_out_of_memory,
+    out_of_memory,
+    outcome_of,
+)
 from framework.core.launch_context import DistEnv
 from framework.core.secrets import scrubbed_console
 from framework.launch.failure_store import tell_launcher
@@ -46,7 +55,12 @@ def _enter_rank(
     stop_exit_code: int | None,
 ) -> dict | None:
     if not own_process:
-        return rank_main(cfg, run_dir, env, store)
+        try:
+            return rank_main(cfg, run_dir, env, store)
+        except Exception as error:
+            if is_out_of_memory(error):  # the app says it in one line and exits as the table says
+                raise OutOfMemory(out_of_memory(env.rank, error)) from None
+            raise
     try:
         return rank_main(cfg, run_dir, env, store)
     except BaseException as error:  # noqa: BLE001 (every way out becomes an exit code)

@@ -149,9 +149,13 @@ def build_model(
     param_dtype: torch.dtype | None = None,
 ) -> Model:
     """The model on the device, what forward runs on (DDP-wrapped or sharded by
-    strategy=<option>), and its EMA. `param_dtype`: what FSDP gathers parameters in."""
+    strategy=<option>), and its EMA. `param_dtype`: what FSDP gathers parameters in. A strategy
+    that shards builds the model on the meta device and initialises each rank's shards after
+    sharding: no rank holds the whole model."""
+    log.info("Instantiating strategy <%s>", strategy_cfg._target_)
+    strategy = instantiate(strategy_cfg)
     log.info("Instantiating model <%s>", model_cfg._target_)
-    module = instantiate(model_cfg)
+    module, recipe = strategy.build(lambda: instantiate(model_cfg), env)
     if trainer.sync_batchnorm and env.distributed:
         if device.type != "cuda":
             raise ConfigError(
@@ -159,13 +163,14 @@ def build_model(
                 "GPU-only): set trainer.sync_batchnorm=false on CPU"
             )
         module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    module = module.to(device)
+    if recipe is None:  # on the meta device, it gets room on the device once sharded
+        module = module.to(device)
     if trainer.channels_last:
         module = module.to(memory_format=torch.channels_last)
     ema = EMA(module, trainer.ema_decay) if trainer.ema_decay is not None else None
-    log.info("Instantiating strategy <%s>", strategy_cfg._target_)
-    strategy = instantiate(strategy_cfg)
     train = strategy.wrap(module, ema and ema.module, env, device, ddp_options, param_dtype)
+    if recipe is not None:
+        strategy.materialize(recipe, [module, *([ema.module] if ema else [])], device)
     return Model(train, module, ema, strategy)
 
 
@@ -196,6 +201,7 @@ def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimizat
     comm = instantiate(cfg.comm)(env=env)
     comm.guard_nonfinite = parts.trainer.on_nonfinite == "skip"
     comm.attach(model.train, model.module, grad_scale=precision.loss_scale)
+    comm.sharded = model.strategy.wire_bytes(model.module, parts.trainer.grad_accum)
     lr = scaled_lr(cfg.optimizer, parts.global_batch_size)
     log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)
     overrides = model.strategy.optimizer_overrides(cfg.optimizer)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from framework.components.data import Loaders, to_device
+from framework.components.ledger import Ledger, every_rank, held
 from framework.components.loggers import MetricSink
 from framework.components.tasks import Task
 from framework.components.tasks.base import Count, TaskLoss
@@ -115,6 +116,7 @@ class Runner:
         # takes GradScaler's found_inf (torch's fused SGD/Adam/AdamW); others need a host read.
         self.skip_on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
         self._last_evaluation: tuple[int, dict[str, float]] | None = None
+        self.ledgers: list[Ledger] = []  # measured after the first step
         self._track_state(optimization)
 
     def _track_state(self, optimization: Optimization) -> None:
@@ -256,8 +258,18 @@ class Runner:
         )
         if self.model.ema is not None:
             self.model.ema.update(self.model.module, applied)
+        if not self.ledgers:  # gradients and the optimizer's state all exist now
+            self.record_ledgers()
         self.optimizer.zero_grad(set_to_none=True)
         return applied
+
+    def record_ledgers(self) -> None:
+        """Every rank's memory ledger (exact tensor bytes), logged by rank 0 once per run."""
+        own = held(self.model.module, self.optimizer)
+        self.ledgers = every_rank(own, self.env.rank, self.env.world_size, self.device)
+        if self.env.is_main:
+            for rank, ledger in enumerate(self.ledgers):
+                log.info("memory ledger, rank %d (exact tensor bytes): %s", rank, ledger.line())
 
     def _syncing(self, model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """Gradient synchronisation on the last micro-batch of a step; local accumulation
@@ -470,6 +482,8 @@ class Runner:
             **self.precision.metrics(),
             **self.comm.metrics(),
         }
+        if self.ledgers:
+            summary["memory/ledger"] = [ledger.as_dict() for ledger in self.ledgers]
         if self.selection.stopped_early:
             summary["stopped_early"] = self.selection.stopped_early
         return summary

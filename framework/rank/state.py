@@ -42,7 +42,8 @@ class Model:
     train: nn.Module  # what forward/backward run on (DDP-wrapped or sharded, compiled)
     module: nn.Module  # the model under it (sharded in place by FSDP): what is saved
     ema: EMA | None = None  # evaluated instead of `module` when set
-    strategy: DDP = dataclasses.field(default_factory=DDP)  # how `module` is spread over ranks
+    # how `module` is spread over ranks (whole, as built, where nothing else was chosen)
+    strategy: DDP = dataclasses.field(default_factory=lambda: DDP(activation_checkpointing=False))
 
     @property
     def evaluated(self) -> nn.Module:

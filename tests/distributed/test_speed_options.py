@@ -82,7 +82,7 @@ def _page_faults_per_step_of_a_heap_step(rank: int) -> None:
 
 
 def test_a_rank_keeps_what_a_step_frees_for_the_next_step_instead_of_faulting_it_in_again():
-    """framework/launch/forkserver.py keep_freed_heap: a step that frees its blocks at the top
+    """framework/core/heap.py keep_freed_heap: a step that frees its blocks at the top
     of glibc's heap got them trimmed and faulted in again, or not, by chance of the heap's
     layout: our ranks' run-to-run spread (docs/benchmarks.md)."""
     start_ranks(_page_faults_per_step_of_a_heap_step, (), nprocs=1)

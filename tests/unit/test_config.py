@@ -110,7 +110,7 @@ def test_lr_scaling_against_the_reference_global_batch(scaling, expected):
         ("optimizer.lr_scaling=cubic", "linear"),
         # Choices are enums: a wrong one fails at composition, listing the valid ones.
         ("dist.backend=mpi", "expected one of [auto, gloo, nccl]"),
-        ("mode=predict", "expected one of [train, eval]"),
+        ("mode=predict", "expected one of [train, eval, estimate]"),
         ("eval.split=train", "expected one of [val, test]"),
         ("trainer.on_nonfinite=ignore", "expected one of [stop, skip]"),
         ("trainer.stop_signals=[SIGTERM,SIGKILL]", "SIGKILL"),

@@ -1,0 +1,69 @@
+"""A model that does not fit one rank, as a user meets it: each rank's memory capped (RLIMIT_DATA,
+set in the rank by tests/faults.py MemoryCappedGPT), a GPT whose parameters and AdamW state
+(about 450 MB) exceed the cap fails under strategy=ddp with one out-of-memory line and its own
+exit code, and trains under strategy=fsdp on 4 ranks (each builds only its shards, on the meta
+device). `train ... mode=estimate` says so beforehand, without a run dir."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from framework.core.exits import ExitCode
+from tests.conftest import REPO, run_cli
+from tests.faults import MEMORY_CAP_ENV
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+CAPPED = (f"hydra.searchpath=[file://{REPO / 'tests' / 'conf'}]", "experiment=capped_gpt")
+CAP_MIB = 320  # each rank's memory beyond what it held when the model was built
+MIB = 2**20
+
+
+def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_four(tmp_path):
+    env = {MEMORY_CAP_ENV: str(CAP_MIB), "OMP_NUM_THREADS": "1"}
+    ddp = run_cli(
+        *CAPPED,
+        "strategy=ddp",
+        "launcher.nproc_per_node=1",
+        f"hydra.run.dir={tmp_path / 'ddp'}",
+        cwd=tmp_path,
+        env=env,
+    )
+    assert ddp.returncode == ExitCode.OUT_OF_MEMORY == 5, ddp.stderr[-3000:]
+    (line,) = [line for line in ddp.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: rank 0 ran out of memory (it asked for ")
+    assert "strategy=fsdp shards the parameters, gradients and optimizer state" in line
+    assert "Traceback" not in ddp.stderr
+
+    fsdp = run_cli(
+        *CAPPED,
+        "strategy=fsdp",
+        "launcher.nproc_per_node=4",
+        f"hydra.run.dir={tmp_path / 'fsdp'}",
+        cwd=tmp_path,
+        env=env,
+    )
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
+    assert summary["steps"] == 2
+    ledgers = summary["memory/ledger"]
+    whole = sum(ledger["parameters"] for ledger in ledgers)
+    for ledger in ledgers:  # a quarter each; the whole model's states would not fit the cap
+        assert ledger["parameters"] == pytest.approx(whole / 4, rel=0.01)
+        states = ledger["parameters"] + ledger["gradients"] + ledger["optimizer"]
+        assert states < CAP_MIB * MIB < 4 * states
+
+
+def test_mode_estimate_prints_each_ranks_ledger_and_launches_nothing(tmp_path):
+    result = run_cli(
+        *CAPPED, "strategy=fsdp", "launcher.nproc_per_node=4", "mode=estimate", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("memory estimate per rank: strategy=fsdp on 4 rank(s), ")
+    ranks = [line for line in lines if line.lstrip().startswith("rank ")]
+    assert len(ranks) == 4
+    assert "parameters 27.15 MiB, gradients 27.15 MiB, optimizer state 54.29 MiB" in ranks[0]
+    assert list(tmp_path.iterdir()) == []  # no run dir, no outputs/
