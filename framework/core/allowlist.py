@@ -28,6 +28,7 @@ from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, R
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.core.exits import ConfigError
+from framework.core.hydra_settings import refusal, settable
 from framework.core.signatures import definition_of, suggestion
 
 # --- what may run ---------------------------------------------------------------------------
@@ -270,8 +271,6 @@ LOGGING_STREAMS = ("ext://sys.stdout", "ext://sys.stderr")
 # lines (holding config values) to any file, a shell's rc file included.
 LOG_FILE_PREFIX = "${hydra.runtime.output_dir}/"
 VALIDATE_CALLBACK = "hydra.callbacks.validate"
-# Variables that make every process started afterwards load code (hydra.job.env_set sets them).
-CODE_LOADING_ENV = re.compile(r"^(LD_.*|DYLD_.*|PYTHON.*|BASH_ENV|ENV|PERL5OPT|NODE_OPTIONS)$")
 HYDRA_NODE_FIX = (
     "Hydra's node may name the launchers, sweepers, callbacks and logging classes that Hydra "
     "and this framework ship, or your own modules listed in allowed_targets in a config file"
@@ -448,8 +447,6 @@ def command_line_problem(path: str, value: Any) -> str | None:
             f"hydra.output_subdir={value} would make Hydra write its unredacted records: use "
             f"{VALIDATE_CALLBACK}.output_subdir={value} (the redacted copy) instead"
         )
-    if matches_prefix(path, ["hydra.job.env_set"]) and CODE_LOADING_ENV.match(path.split(".")[-1]):
-        return f"{path} cannot be set on the command line: it makes new processes load code"
     if value is None:
         return None
     if matches_prefix(path, HYDRA_CODE_NODES) and isinstance(value, str) and "${" in value:
@@ -473,16 +470,23 @@ def sweeper_param_overrides(override: Any) -> list[str]:
 
 
 def check_command_line(argv: list[str]) -> None:
-    """Refuse overrides that would run code Hydra instantiates before our callback runs, or
-    that change the allowlist. Raises ConfigError naming the override and the fix."""
+    """Refuse overrides that would run code Hydra instantiates before our callback runs, that
+    change the allowlist, or that set a key of Hydra's node off the positive list
+    (core/hydra_settings.py). Raises ConfigError naming the override and the fix."""
     overrides, rerun = parse_command_line(argv)
     if rerun is not None:
         raise ConfigError("--experimental-rerun loads a pickle, which can run any code: refused")
-    pending = list(overrides)
+    pending, keys = list(overrides), []
     while pending:
         override = pending.pop(0)
         for path, value in override_leaves(override):
             problem = command_line_problem(path, value)
             if problem:
                 raise ConfigError(problem)
+            keys.append(path)
         pending += parse_overrides(sweeper_param_overrides(override))
+    for path in keys:  # (after the checks above, whose messages name the code)
+        if path == "hydra.output_subdir":  # null only, which it is (command_line_problem)
+            continue
+        if matches_prefix(path, ["hydra"]) and not settable(path):
+            raise ConfigError(refusal(path))
