@@ -450,10 +450,31 @@ def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
     )
 
 
+# What the run itself writes in its dir (storage/run_dir.py, the loggers' folders): a logger's
+# file may not replace one. Names starting with "." are the run's too (.lock, temporary files).
+RUN_DIR_NAMES = frozenset(
+    {
+        "config.yaml",
+        "metrics.jsonl",
+        "summary.json",
+        "train.log",
+        "curves.png",
+        "checkpoints",
+        "wandb",
+        "tensorboard",
+        "profile",
+        "eval",
+    }
+)
+
+
 def file_name_problem(filename: str) -> str | None:
-    """Why `filename` does not name a file directly in the run dir; None when it does."""
+    """Why `filename` does not name a file of its own directly in the run dir; None when it
+    does."""
     if not filename or Path(filename).name != filename or filename in (".", ".."):
         return "must be a file name in the run dir (no folder, no ..)"
+    if filename in RUN_DIR_NAMES or filename.startswith("."):
+        return "is a file the run writes itself: choose another name (metrics.csv)"
     return None
 
 

@@ -334,3 +334,134 @@ def test_a_sweep_jobs_dir_holding_only_the_record_this_start_wrote_is_not_foreig
     other = tmp_path / "someone-elses"
     (other / ".hydra").mkdir(parents=True)
     assert RunDir(other).is_foreign()
+
+
+# --- the run dir as a class: never through a link, never another start's --------------------
+def test_a_planted_lock_link_is_refused_and_its_target_left_as_it_is(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").symlink_to(victim)
+    refused = pytest.raises(ConfigError, match=r"\.lock is a link: a run never writes through one")
+    with refused, RunDir(run_dir).held():
+        pass
+    assert victim.read_text() == "the user's file\n"
+    assert RunDir(run_dir).take_at_start() is False
+
+
+def test_a_planted_lock_hard_link_or_fifo_is_refused_and_its_target_left_as_it_is(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.link(victim, run_dir / ".lock")
+    with (
+        pytest.raises(ConfigError, match=r"\.lock is not a run's lock file"),
+        RunDir(run_dir).held(),
+    ):
+        pass
+    assert victim.read_text() == "the user's file\n"
+    (run_dir / ".lock").unlink()
+    os.mkfifo(run_dir / ".lock")
+    with (
+        pytest.raises(ConfigError, match=r"\.lock is not a run's lock file"),
+        RunDir(run_dir).held(),
+    ):
+        pass
+
+
+def test_a_runs_own_lock_is_taken_again_by_the_next_start(tmp_path):
+    with RunDir(tmp_path).held():
+        assert "pid" in (tmp_path / ".lock").read_text()
+    with RunDir(tmp_path).held():  # the file an earlier run left is no obstacle
+        pass
+
+
+@pytest.mark.parametrize(
+    "name", ["metrics.jsonl", "train.log", "config.yaml", ".hydra", "metrics.csv", "wandb"]
+)
+def test_a_run_dir_holding_a_link_where_the_run_writes_is_refused(tmp_path, name):
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_00000001.pt").write_bytes(b"")
+    (tmp_path / "run" / name).symlink_to(tmp_path / "victim")
+    with pytest.raises(ConfigError, match=f"holds a link where a run writes its files \\({name}"):
+        RunDir(tmp_path / "run").check_reusable(composed(), sweep_job=False)
+
+
+def hold_in_another_process(run_dir: Path):
+    """Another `train`'s lock on run_dir (flock is per process here), until it is killed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, b'pid other')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(run_dir / ".lock")], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_start_refused_because_another_holds_the_dir_removes_nothing(tmp_path):
+    """Two starts on one new dir at the same moment: both saw it missing, both think they made
+    it; the one that lost the lock must leave the other's dir alone."""
+    run_dir = tmp_path / "outputs" / "new"
+    loser = RunDir(run_dir)
+    loser.note_missing_folders()
+    run_dir.mkdir(parents=True)
+    loser.note_start()  # empty: it would count the dir as its own
+    holder = hold_in_another_process(run_dir)
+    try:
+        (run_dir / "config.yaml").write_text("the winner's\n")
+        assert loser.take_at_start() is False
+        with pytest.raises(ConfigError, match="is in use by another run"), loser.held(adopt=True):
+            pass
+        loser.discard()
+        assert (run_dir / "config.yaml").read_text() == "the winner's\n"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_continued_by_the_same_command(tmp_path):
+    run = RunDir(tmp_path)
+    run.metrics.write_text('{"step": 3}\n')
+    run.record.mkdir()
+    (run.record / "overrides.yaml").write_text("- trainer.max_steps=9\n")
+    run.check_reusable(composed(), sweep_job=False, overrides=["trainer.max_steps=9"])
+    with pytest.raises(ConfigError, match="already holds a run with no checkpoint"):
+        run.check_reusable(composed(), sweep_job=False, overrides=["trainer.max_steps=8"])
+    run.summary.write_text("{}\n")  # a finished run is never started over
+    with pytest.raises(ConfigError, match="already holds a run with no checkpoint"):
+        run.check_reusable(composed(), sweep_job=False, overrides=["trainer.max_steps=9"])
+
+
+def test_a_folder_name_longer_than_the_file_system_allows_cannot_be_created(tmp_path):
+    from framework.storage.run_dir import creation_problem
+
+    problem = creation_problem(tmp_path / ("x" * 300) / "run")
+    assert problem is not None and "is longer than the 255 bytes allowed" in problem
+    assert creation_problem(tmp_path / "fine" / "run") is None
+
+
+def test_every_file_the_run_writes_is_a_name_a_logger_cannot_take():
+    from framework.config.validation import RUN_DIR_NAMES, file_name_problem
+
+    run = RunDir(Path("run"))
+    own = [
+        getattr(run, name).name
+        for name in dir(RunDir)
+        if isinstance(getattr(RunDir, name), property) and name != "path"
+    ]
+    assert own and all(file_name_problem(name) is not None for name in own)
+    for name in RUN_DIR_NAMES:
+        assert "a file the run writes itself" in file_name_problem(name)
+    assert file_name_problem("metrics.csv") is None
