@@ -15,6 +15,9 @@ written to benchmarks/results/<name>.json (and a PNG where it plots).
                and fsdp's step time against ddp's
     all        every one of the above, in that order
 
+    gpu        one prepared check of the CUDA path on a lent GPU, every step timed into
+               $OUT/gpu-check.json (never part of `all`; --cpu: the same steps at toy size)
+
 `python -m benchmarks <name> --help` lists a benchmark's options.
 """
 
@@ -37,8 +40,12 @@ BENCHMARKS = (
 )
 
 
+# Checks, not measurements of this machine: each runs only when named.
+CHECKS = ("gpu",)
+
+
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*BENCHMARKS, "all"):
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in (*BENCHMARKS, *CHECKS, "all"):
         print(__doc__)
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     names = BENCHMARKS if argv[0] == "all" else (argv[0],)

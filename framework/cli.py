@@ -3,6 +3,7 @@ before it imports anything heavy, so the server's imports (torch, torch._dynamo:
 start-up) run beside this process's own (Hydra, the launcher) instead of after them. Then it
 runs framework.train.main, which `python -m framework.train` runs directly.
 
+It first refuses a torch or torchvision older than the framework supports (core/versions.py).
 Like `python -m`, it makes the working directory importable: a user project's package beside its
 own conf/ is then found by `_target_` in this process and in every rank, with no PYTHONPATH.
 """
@@ -12,10 +13,16 @@ from __future__ import annotations
 import os
 import sys
 
+from framework.core import versions
+from framework.core.exits import ConfigError, end
 from framework.launch import forkserver
 
 
 def main() -> None:
+    # Read from package metadata before anything imports torch: a torch below the floor is
+    # refused in one line here, not met as an AttributeError inside a rank.
+    if unsupported := versions.unsupported_packages():
+        end(ConfigError(unsupported))
     # Last, so it shadows nothing installed; before the fork server starts, which copies the path.
     sys.path.append(os.getcwd())
     forkserver.warm_up_if_forking(sys.argv[1:])

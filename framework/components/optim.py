@@ -75,4 +75,8 @@ def build_optimizer(
     for key in OUR_KEYS:
         kwargs.pop(key, None)
     kwargs.update(overrides or {}, lr=lr)
-    return instantiate(kwargs)(params=parameter_groups(optimizer_cfg, params, lr))
+    # Plain lists, not ListConfig: the optimizer keeps its keywords in param_groups, which a
+    # checkpoint saves (torch 2.9 and older keep AdamW's betas as given), and loading refuses
+    # any class that is not a tensor or a plain value.
+    optimizer = instantiate(kwargs, _convert_="all")
+    return optimizer(params=parameter_groups(optimizer_cfg, params, lr))

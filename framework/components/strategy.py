@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from framework.core.distributed import wrap_ddp
 from framework.core.exits import ConfigError
 from framework.core.launch_context import DistEnv
+from framework.core.versions import reduce_fsdp_gradients_by_sum
 from framework.storage.sharded import ShardedState
 
 log = logging.getLogger("framework")
@@ -157,6 +158,7 @@ class FSDP(DDP):
                 reshard_after_forward=self.reshard_after_forward,
                 mp_policy=policy,
             )
+            reduce_fsdp_gradients_by_sum(target)
         self.shards = True
         log.info(
             "strategy=fsdp: %d block(s) of %s, then the root, sharded over %d ranks",

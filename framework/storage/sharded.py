@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from framework.core.exits import CheckpointError, first_line
+from framework.core.versions import PATH_PICKLED_AS
 
 SUFFIX = ".dcp"
 STATE_FILE = "state.pt"  # inside the folder, beside DCP's files
@@ -55,8 +56,8 @@ _INDEX_CLASSES = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # a lookup among torch's layouts by name
-    ("pathlib", "PosixPath"),
     ("collections", "OrderedDict"),
+    *PATH_PICKLED_AS,
 }
 
 
@@ -149,14 +150,13 @@ def write_shards(
     (checkpoint.async_save) the tensors are copied to host memory first and the returned future
     completes once every rank's file and the index are durable."""
     writer = FileSystemWriter(folder, sync_files=True)
-    alone = not dist.is_initialized()
-    with warnings.catch_warnings():  # alone: "assuming the intent is to save in a single process"
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+    # Without a process group DCP saves alone: every supported torch infers it (and warns);
+    # `no_dist=` would say it twice, and torch 2.6's save and 2.8's async_save take no such keyword.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is", UserWarning)
         if in_background:
-            return dcp.async_save(
-                tensors, storage_writer=writer, process_group=group, no_dist=alone
-            )
-        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=alone)
+            return dcp.async_save(tensors, storage_writer=writer, process_group=group)
+        dcp.save(tensors, storage_writer=writer, process_group=group)
     return None
 
 
@@ -210,11 +210,12 @@ class ShardedState:
                 "on one side only): it was saved for another model or optimizer; resume with "
                 "the settings it was trained with"
             )
-        _read_into(wanted, self.folder, alone=not dist.is_initialized())
+        _read_into(wanted, self.folder)
         return join(self.skeleton, wanted, self.prefix)
 
     def whole(self) -> Any:
-        """On one process: every tensor whole, allocated from the index (export)."""
+        """On one process, without a process group: every tensor whole, allocated from the
+        index (export)."""
         entries = index(self.folder).state_dict_metadata
         tensors = {}
         for key in marked(self.skeleton, self.prefix):
@@ -222,21 +223,17 @@ class ShardedState:
             if not isinstance(entry, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint {self.folder} has no tensor {key}")
             tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-        _read_into(tensors, self.folder, alone=True)
+        _read_into(tensors, self.folder)
         return join(self.skeleton, tensors, self.prefix)
 
 
-def _read_into(tensors: dict[str, torch.Tensor], folder: Path, alone: bool) -> None:
-    """DCP's load into `tensors`, in place (collective unless `alone`)."""
-    with warnings.catch_warnings():  # alone: "assuming the intent is to load in a single process"
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+def _read_into(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """DCP's load into `tensors`, in place: collective where a process group is, alone where
+    none is (DCP infers it, in every supported torch, and warns that it does)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is", UserWarning)
         try:
-            dcp.load(
-                tensors,
-                storage_reader=SafeReader(folder),
-                planner=TensorsOnlyPlanner(),
-                no_dist=alone,
-            )
+            dcp.load(tensors, storage_reader=SafeReader(folder), planner=TensorsOnlyPlanner())
         except CheckpointException as error:  # each rank's failure, with its traceback
             failed, _ = next(iter(error.failures.values()))
             if isinstance(failed, CheckpointError):

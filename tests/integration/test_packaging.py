@@ -1,6 +1,7 @@
 """The framework as a dependency, outside the clone: the wheel (with conf/ and experiments/ inside
 it) installed into a fresh environment runs `train` from an empty folder, and a project written
-by `framework-new` passes its own test right after creation. Both use uv as a user would; the
+by `framework-new` passes its own test right after creation, and a project that already pins the
+oldest supported torch adds the framework and keeps that torch. They use uv as a user would; the
 packages come from uv's cache or the package registry."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from framework.core.versions import FLOORS
 from tests.conftest import DIST_ENV_VARS, REPO
 
 pytestmark = pytest.mark.slow
@@ -32,12 +34,14 @@ def user_env() -> dict[str, str]:
     }
 
 
-def run(*command: str | Path, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def run(
+    *command: str | Path, cwd: Path, timeout: float = 600, **more_env: str
+) -> subprocess.CompletedProcess:
     started = time.perf_counter()
     result = subprocess.run(
         [str(part) for part in command],
         cwd=cwd,
-        env=user_env(),
+        env={**user_env(), **more_env},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -114,6 +118,38 @@ def test_a_new_project_passes_its_own_test(tmp_path):
     project = tmp_path / "sine-lab"
     created = run(Path(sys.executable).parent / "framework-new", project, cwd=tmp_path)
     assert created.returncode == 0, created.stderr[-3000:]
-    result = run(UV, "run", "pytest", "-q", "-p", "no:cacheprovider", cwd=project, timeout=900)
+    # The project's own resolution takes the newest releases its ranges allow (torch from PyPI,
+    # newer than this checkout is tested on, downloaded anew); the lock's versions instead.
+    pins = tmp_path / "pins.txt"
+    export = ["export", "--frozen", "--no-hashes", "--no-emit-project"]
+    exported = run(UV, *export, "--project", REPO, "--output-file", pins, cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    test = ["run", "pytest", "-q", "-p", "no:cacheprovider"]
+    result = run(UV, *test, cwd=project, timeout=900, UV_CONSTRAINT=str(pins))
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "2 passed" in result.stdout
+
+
+def test_adding_the_framework_keeps_the_older_torch_a_project_already_has(tmp_path):
+    """A project that pins the oldest supported torch (a cluster's, a container's) adds the
+    framework with `uv add`: the lock keeps that torch, and `train` runs on it."""
+    if UV is None:
+        pytest.skip("uv is not on PATH")
+    (major, minor), (vision_major, vision_minor) = FLOORS["torch"], FLOORS["torchvision"]
+    older = (f"torch=={major}.{minor}.0", f"torchvision=={vision_major}.{vision_minor}.0")
+    project = tmp_path / "lab"
+    init = run(UV, "init", "--package", "--python", sys.executable, project, cwd=tmp_path)
+    assert init.returncode == 0, init.stderr[-3000:]
+    own = run(UV, "add", *older, cwd=project)
+    assert own.returncode == 0, own.stderr[-3000:]
+    added = run(UV, "add", REPO, cwd=project)
+    assert added.returncode == 0, added.stderr[-3000:]
+    versions = run(
+        UV, "run", "python", "-c",
+        "import importlib.metadata as m; print(m.version('torch'), m.version('torchvision'))",
+        cwd=project,
+    )  # fmt: skip
+    assert versions.stdout.split() == [f"{major}.{minor}.0", f"{vision_major}.{vision_minor}.0"]
+    trained = run(UV, "run", "train", "trainer.max_steps=2", "hydra.run.dir=run", cwd=project)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert json.loads((project / "run" / "summary.json").read_text())["steps"] == 2
