@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schemas as s
+from framework.config.data_sizes import check_data_sizes
 from framework.config.option_keys import check_target_keys
 from framework.config.registry import shipped_choice, shipped_targets
 from framework.config.resolvers import gpu_count
@@ -92,6 +93,7 @@ def validate(cfg: DictConfig) -> None:
     for group in GROUPS:
         for check in checks_for(cfg[group]):
             check(cfg[group], cfg)
+    check_data_sizes(cfg.data, fewest_ranks(cfg.launcher), cfg.trainer.grad_accum)
     for name, logger in cfg.logger.items():
         _check_logger(str(name), logger, cfg)
     directions = task_directions(cfg.task._target_)
@@ -310,6 +312,16 @@ def _check_ranks_fit_this_machine(launcher: DictConfig, cfg: DictConfig) -> None
 def _check_local(launcher: DictConfig, cfg: DictConfig) -> None:
     _reject_srun_steps(launcher, cfg)
     _check_ranks_fit_this_machine(launcher, cfg)
+
+
+def fewest_ranks(launcher: DictConfig) -> int:
+    """The fewest ranks the launcher may start: nodes (the low end of an elastic range) x
+    ranks per node."""
+    if "nnodes" in launcher:
+        nodes = node_range(launcher.nnodes)[0]
+    else:
+        nodes = launcher.get("nodes", 1)
+    return launcher.nproc_per_node * nodes
 
 
 def node_range(nnodes: str | int) -> tuple[int, int]:

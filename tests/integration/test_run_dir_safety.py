@@ -12,7 +12,8 @@ from framework.storage.run_dir import RunDir
 
 ONE_RANK = ("launcher.nproc_per_node=1", "trainer.max_steps=2", "checkpoint.every=1")
 # Refused by the rank, after Hydra made the run dir and the record was written.
-REFUSED_BY_THE_RANK = ("data=synthetic", "data.train_size=16", "data.val_size=4")
+# A model whose output is no reconstruction: only the rank that builds it can tell.
+REFUSED_BY_THE_RANK = ("task=autoencoder",)
 
 
 def files_of(folder: Path) -> dict[Path, bytes]:
@@ -43,7 +44,7 @@ def test_a_refused_start_removes_its_own_dir_but_not_the_users_empty_folder_abov
     parent = tmp_path / "experiments"  # the user's, empty
     parent.mkdir()
     result = cli(*ONE_RANK, *REFUSED_BY_THE_RANK, f"hydra.run.dir={parent}/a/b", cwd=tmp_path)
-    assert result.returncode == 2 and "smaller than one global batch" in result.stderr
+    assert result.returncode == 2 and "must have its inputs' shape" in result.stderr
     assert parent.is_dir() and list(parent.iterdir()) == []  # a/ and a/b/ were Hydra's
 
 
@@ -209,3 +210,18 @@ def test_a_run_killed_before_its_first_checkpoint_is_continued_by_the_same_comma
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dropped; they are re-run" in result.stderr
     assert (run_dir / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_model_too_large_for_memory_is_one_line_and_leaves_no_run_dir(cli, tmp_path):
+    # 10**13 channels: a first layer of 3.6e14 bytes, more than any machine's address space
+    result = cli(*ONE_RANK, "model.width=10000000000000", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: model: framework.components.models.SmallCNN is too large for the cpu memory of "
+        "this machine: it asked for 360000.0 GB at once; make it smaller (its largest setting "
+        "is model.width=10000000000000)"
+    ]
+    assert list(tmp_path.iterdir()) == []

@@ -465,3 +465,23 @@ def test_every_file_the_run_writes_is_a_name_a_logger_cannot_take():
     for name in RUN_DIR_NAMES:
         assert "a file the run writes itself" in file_name_problem(name)
     assert file_name_problem("metrics.csv") is None
+
+
+def test_an_allocation_that_fails_while_the_model_is_built_is_a_config_mistake():
+    import torch
+
+    from framework.rank.build import refused_if_too_large
+
+    model = OmegaConf.create({"_target_": "my.Model", "width": 10**15, "depth": 2, "bias": True})
+    with pytest.raises(ConfigError) as refused, refused_if_too_large(model, torch.device("cpu")):
+        torch.empty(10**15)  # 4e15 bytes: no allocator gives it
+    assert str(refused.value) == (
+        "model: my.Model is too large for the cpu memory of this machine: it asked for "
+        "4000000.0 GB at once; make it smaller (its largest setting is model.width="
+        "1000000000000000)"
+    )
+    with (
+        pytest.raises(ValueError, match="not memory"),
+        refused_if_too_large(model, torch.device("cpu")),
+    ):
+        raise ValueError("not memory")
