@@ -317,10 +317,7 @@ def _check_local(launcher: DictConfig, cfg: DictConfig) -> None:
 def fewest_ranks(launcher: DictConfig) -> int:
     """The fewest ranks the launcher may start: nodes (the low end of an elastic range) x
     ranks per node."""
-    if "nnodes" in launcher:
-        nodes = node_range(launcher.nnodes)[0]
-    else:
-        nodes = launcher.get("nodes", 1)
+    nodes = node_range(launcher.nnodes)[0] if "nnodes" in launcher else launcher.get("nodes", 1)
     return launcher.nproc_per_node * nodes
 
 

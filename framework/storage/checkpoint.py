@@ -293,10 +293,24 @@ def _load_ours(path: Path, checkpoint: Path) -> dict[str, Any]:
     return payload
 
 
+# What torch's reader raises on bytes that are not its archive (a text file: KeyError).
+UNREADABLE = (
+    pickle.UnpicklingError,
+    RuntimeError,
+    EOFError,
+    OSError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+)
+
+
 def _load_payload(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # whatever the bytes made torch's reader raise
+    except UNREADABLE as error:
         found = next((line for line in str(error).splitlines() if "GLOBAL" in line), None)
         if isinstance(error, pickle.UnpicklingError) and found is not None:
             raise CheckpointError(

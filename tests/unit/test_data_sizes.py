@@ -10,8 +10,8 @@ from torch.utils.data import TensorDataset
 from framework.components.data import load_splits, train_loader
 from framework.config import validate
 from framework.config.data_sizes import SPLITS, batches_per_rank
-from framework.core.launch_context import DistEnv
 from framework.core.exits import ConfigError
+from framework.core.launch_context import DistEnv
 from tests.conftest import make_cfg
 
 SHAPES = [
