@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
+from framework.config import validate
 from framework.core.exits import ConfigError
 from framework.storage.run_dir import RunDir, is_throwaway, throwaway_dir
 from tests.conftest import make_cfg
@@ -452,19 +453,44 @@ def test_a_folder_name_longer_than_the_file_system_allows_cannot_be_created(tmp_
     assert creation_problem(tmp_path / "fine" / "run") is None
 
 
-def test_every_file_the_run_writes_is_a_name_a_logger_cannot_take():
-    from framework.config.validation import RUN_DIR_NAMES, file_name_problem
+def runs_own_names() -> list[str]:
+    """Every name the run writes in its dir: RunDir's files and the loggers' and the ranks'
+    folders (RUN_DIR_NAMES), and a temporary file of an atomic write."""
+    from framework.config.validation import RUN_DIR_NAMES
 
     run = RunDir(Path("run"))
-    own = [
+    files = [
         getattr(run, name).name
         for name in dir(RunDir)
         if isinstance(getattr(RunDir, name), property) and name != "path"
     ]
-    assert own and all(file_name_problem(name) is not None for name in own)
-    for name in RUN_DIR_NAMES:
-        assert "a file the run writes itself" in file_name_problem(name)
-    assert file_name_problem("metrics.csv") is None
+    assert {".lock", ".hydra", "metrics.jsonl", "summary.json"} <= set(files)
+    return sorted({*files, *RUN_DIR_NAMES, ".metrics.jsonl.tmp-1"})
+
+
+def logger_file_options() -> list[tuple[str, str]]:
+    """(logger, key) of every shipped logger's setting that names a file or folder."""
+    from framework.config import CONF_DIR
+
+    found = []
+    for option in sorted((CONF_DIR / "logger").glob("*.yaml")):
+        node = OmegaConf.load(option).get(option.stem) or {}
+        found += [
+            (option.stem, str(key))
+            for key in node
+            if any(part in str(key) for part in ("file", "path", "dir"))
+        ]
+    assert ("csv", "filename") in found
+    return found
+
+
+@pytest.mark.parametrize(("logger", "key"), logger_file_options())
+def test_no_loggers_file_may_take_a_name_the_run_writes_itself(logger, key):
+    for name in runs_own_names():
+        with pytest.raises(ConfigError) as refused:
+            validate(make_cfg(f"logger={logger}", f"logger.{logger}.{key}={name}"))
+        assert f"logger.{logger}.{key}={name} is a file the run writes itself" in str(refused.value)
+    validate(make_cfg(f"logger={logger}", f"logger.{logger}.{key}=my_{logger}_log"))
 
 
 def test_an_allocation_that_fails_while_the_model_is_built_is_a_config_mistake():
