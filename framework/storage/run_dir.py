@@ -104,11 +104,18 @@ class RunDir:
         return not (self.lock.exists() or self.holds_run() or step_files(self.checkpoints))
 
     def links(self) -> list[str]:
-        """The links in the dir: a run makes none there (last.pt lies in checkpoints/), and
-        every name in it is one the run may write (its own files, a logger's)."""
-        if not self.path.is_dir():
-            return []
-        return sorted(entry.name for entry in self.path.iterdir() if entry.is_symlink())
+        """The links in the dir and in its record (.hydra/): a run makes none there (last.pt
+        lies in checkpoints/, whose files are written by rename), and every name in them is
+        one the run may write into (its own files, a logger's, Hydra's record)."""
+        found = []
+        for folder in (self.path, self.record):
+            if folder.is_dir() and not folder.is_symlink():
+                found += [
+                    entry.relative_to(self.path).as_posix()
+                    for entry in folder.iterdir()
+                    if entry.is_symlink()
+                ]
+        return sorted(found)
 
     def continues(self, cfg: DictConfig, overrides: list[str] | None = None) -> bool:
         """A run dir with a run in it is only reused to resume it: from its checkpoints, as a

@@ -391,6 +391,31 @@ def test_a_run_dir_holding_a_link_where_the_run_writes_is_refused(tmp_path, name
         RunDir(tmp_path / "run").check_reusable(composed(), sweep_job=False)
 
 
+def test_a_link_in_the_runs_record_is_refused_before_the_record_is_written(tmp_path):
+    (tmp_path / "victim.yaml").write_text("mine\n")
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / ".hydra" / "overrides.yaml").symlink_to(tmp_path / "victim.yaml")
+    assert RunDir(run_dir).links() == [".hydra/overrides.yaml"]
+    with pytest.raises(ConfigError, match=r"holds a link where a run writes its files \(\.hydra/"):
+        RunDir(run_dir).check_reusable(composed(), sweep_job=False)
+    assert (tmp_path / "victim.yaml").read_text() == "mine\n"
+
+
+def test_an_atomic_write_never_writes_through_a_link_planted_as_its_temporary_file(tmp_path):
+    from framework.storage.files import atomic_write
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine\n")
+    target = tmp_path / "run" / "summary.json"
+    target.parent.mkdir()
+    (target.parent / f".summary.json.tmp-{os.getpid()}").symlink_to(victim)
+    atomic_write(target, lambda file: file.write(b"{}"))
+    assert target.read_text() == "{}" and not target.is_symlink()
+    assert victim.read_text() == "mine\n"
+
+
 def hold_in_another_process(run_dir: Path):
     """Another `train`'s lock on run_dir (flock is per process here), until it is killed."""
     import subprocess
