@@ -48,6 +48,7 @@ THROWAWAY_PREFIX = "framework-rank"  # the temporary Hydra dir of torchrun ranks
 _BEGUN_EMPTY: set[Path] = set()
 # Folders that did not exist before this process's run: Hydra makes them (outputs/<date>/...).
 _MADE_FOR_RUNS: set[Path] = set()
+LOCK_MARK = b"pid "  # how the lock's line begins: "pid N on host, since ..."
 # Run dirs whose lock this process holds: {resolved dir: the lock's file descriptor}.
 _HELD: dict[Path, int] = {}
 # The lock each job's start took, before anything was written, for the app to hold on to.
@@ -101,7 +102,15 @@ class RunDir:
             return False
         if self.path.resolve() in _BEGUN_EMPTY:
             return False
-        return not (self.lock.exists() or self.holds_run() or step_files(self.checkpoints))
+        return not (self.holds_our_lock() or self.holds_run() or step_files(self.checkpoints))
+
+    def holds_our_lock(self) -> bool:
+        """A .lock a run of ours wrote ("pid N on host, since ..."): a `.lock` of some other
+        tool in a user's folder does not make it a run dir."""
+        if self.lock.is_symlink() or not self.lock.is_file():
+            return False
+        with open(self.lock, "rb") as file:
+            return file.read(4) == LOCK_MARK
 
     def links(self) -> list[str]:
         """The links in the dir and in its record (.hydra/): a run makes none there (last.pt
@@ -282,7 +291,8 @@ class RunDir:
             raise
         os.ftruncate(fd, 0)
         started = datetime.datetime.now().isoformat(timespec="seconds")
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
+        holder = f"{os.getpid()} on {socket.gethostname()}, since {started}\n"
+        os.pwrite(fd, LOCK_MARK + holder.encode(), 0)
         _HELD[self.path.resolve()] = fd
 
     def release(self) -> None:
@@ -311,12 +321,13 @@ def _open_lock(lock: Path) -> int:
 
 def _check_own_file(fd: int, lock: Path) -> None:
     """A hard link to a user's file (or a fifo, a device) opens like a lock file: only a plain
-    file with no other name is written into."""
+    file with no other name, empty or holding a run's line, is written into."""
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+    ours = stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+    if not ours or (info.st_size and os.pread(fd, len(LOCK_MARK), 0) != LOCK_MARK):
         raise ConfigError(
-            f"{lock} is not a run's lock file (a link to another file, or not a plain file); "
-            "nothing was changed. Remove it, or choose another hydra.run.dir"
+            f"{lock} is not a run's lock file (another tool's, a link to another file, or not "
+            "a plain file); nothing was changed. Remove it, or choose another hydra.run.dir"
         )
 
 

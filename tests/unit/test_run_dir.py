@@ -372,6 +372,17 @@ def test_a_planted_lock_hard_link_or_fifo_is_refused_and_its_target_left_as_it_i
         pass
 
 
+def test_another_tools_lock_file_makes_no_folder_a_run_dir_and_is_never_written(tmp_path):
+    (tmp_path / ".lock").write_text("held by my sync tool\n")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    with pytest.raises(ConfigError, match=r"holds files that are not a run's \(\.lock, notes"):
+        RunDir(tmp_path).check_reusable(composed(), sweep_job=False)
+    (tmp_path / "notes.txt").unlink()
+    with pytest.raises(ConfigError, match="not a run's lock file"), RunDir(tmp_path).held():
+        pass
+    assert (tmp_path / ".lock").read_text() == "held by my sync tool\n"
+
+
 def test_a_runs_own_lock_is_taken_again_by_the_next_start(tmp_path):
     with RunDir(tmp_path).held():
         assert "pid" in (tmp_path / ".lock").read_text()
