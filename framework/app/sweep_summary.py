@@ -161,13 +161,17 @@ def earlier_rows(sweep_dir: Path) -> dict[int, JobRow]:
         record = run.record / "overrides.yaml"
         if not job_dir.name.isdigit() or not run.summary.is_file() or not record.is_file():
             continue
-        overrides = [str(item) for item in yaml.safe_load(record.read_text()) or []]
+        try:
+            overrides = [str(item) for item in yaml.safe_load(record.read_text()) or []]
+            metrics = json.loads(run.summary.read_text())
+        except (OSError, ValueError, TypeError, yaml.YAMLError):  # a job killed mid-write
+            continue
         row = JobRow(
             num=int(job_dir.name),
             status="completed",
             overrides=_app_overrides(overrides),
             run_dir=str(job_dir),
-            metrics=json.loads(run.summary.read_text()),
+            metrics=metrics,
         )
         rows[row.num] = row
     return rows

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra._internal.sources_registry import SourcesRegistry
 from hydra.core.object_type import ObjectType
 from hydra.experimental.callback import Callback
@@ -126,12 +127,16 @@ def check_sweep_dir(sweep_dir: Path, overrides: list[str]) -> None:
     if not sweep_dir.is_dir() or not any(sweep_dir.iterdir()):
         return
     master = sweep_dir / "multirun.yaml"
+    foreign = ConfigError(
+        f"hydra.sweep.dir={sweep_dir} holds files that are not a sweep's; it is left "
+        "untouched. Choose a new hydra.sweep.dir"
+    )
     if not master.is_file() or master.is_symlink():
-        raise ConfigError(
-            f"hydra.sweep.dir={sweep_dir} holds files that are not a sweep's; it is left "
-            "untouched. Choose a new hydra.sweep.dir"
-        )
-    earlier = OmegaConf.select(OmegaConf.load(master), "hydra.overrides.task", default=None)
+        raise foreign
+    try:
+        earlier = OmegaConf.select(OmegaConf.load(master), "hydra.overrides.task", default=None)
+    except (OSError, ValueError, OmegaConfBaseException, yaml.YAMLError):
+        raise foreign from None
     require(
         earlier is None or list(earlier) == overrides,
         f"hydra.sweep.dir={sweep_dir} holds another sweep ({' '.join(map(str, earlier or []))}); "

@@ -49,3 +49,26 @@ def test_a_sweep_run_again_keeps_its_completed_rows_over_refused_jobs(tmp_path):
     ]
     summary.add(2, [returned(tmp_path, 2, "0.01", "diverged")])  # a new job's failure shows
     assert [row["status"] for row in rows(tmp_path)] == ["completed", "completed", "failed"]
+
+
+def test_a_job_whose_summary_was_cut_short_has_no_earlier_row(tmp_path):
+    finished_job(tmp_path, 0, "0.1", 0.95)
+    finished_job(tmp_path, 1, "0.05", 0.93)
+    (tmp_path / "1" / "summary.json").write_text('{"val/acc')  # killed mid-write
+    assert list(SweepSummary(tmp_path, None).rows) == [0]
+
+
+def test_a_sweep_dir_is_reused_only_by_the_same_sweep(tmp_path):
+    import pytest
+
+    from framework.app.validate_callback import check_sweep_dir
+    from framework.core.exits import ConfigError
+
+    check_sweep_dir(tmp_path / "new", ["optimizer.lr=0.1,0.05"])
+    (tmp_path / "multirun.yaml").write_text("hydra:\n  overrides:\n    task: [optimizer.lr=0.2]\n")
+    check_sweep_dir(tmp_path, ["optimizer.lr=0.2"])  # the same sweep, run again to resume it
+    with pytest.raises(ConfigError, match=r"holds another sweep \(optimizer.lr=0.2\)"):
+        check_sweep_dir(tmp_path, ["optimizer.lr=0.1,0.05"])
+    (tmp_path / "multirun.yaml").write_text("hydra: [unclosed\n")
+    with pytest.raises(ConfigError, match="holds files that are not a sweep's"):
+        check_sweep_dir(tmp_path, ["optimizer.lr=0.2"])
