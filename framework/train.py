@@ -64,24 +64,18 @@ def hydra_app(cfg: DictConfig) -> float | None:
         start(Start.SLURM_FOLLOWER, cfg, run_dir)
         return None
     try:
-        validate(cfg)
         if cfg.mode == "estimate":  # a single run printed it before Hydra started
             raise ConfigError(
                 "mode=estimate prints one config's memory per rank: run it without -m "
                 "(one command per setting you would sweep)"
             )
-        if sweep_job:
-            join_sweep(cfg, RunDir(run_dir), hydra_cfg)
-        OmegaConf.resolve(cfg)
         # A node that joins another node's torchrun job shares its run dir: the host holds it.
         unheld = is_throwaway(run_dir) or joins_other_node(cfg.launcher)
-        with contextlib.nullcontext() if unheld else RunDir(run_dir).held():
-            summary = start(how_ranks_start(cfg.launcher, here), cfg, run_dir)
+        with contextlib.nullcontext() if unheld else RunDir(run_dir).held(adopt=True):
+            summary = _run_held(cfg, run_dir, hydra_cfg, here, sweep_job)
     except Stopped as stop:  # rank 0 said where the checkpoint is
         raise SystemExit(stop.exit_code) from None  # a stop (Ctrl-C) ends a whole sweep too
     except (Rejected, NonFiniteLoss, WorkerFailed) as error:
-        if isinstance(error, Rejected):
-            RunDir(run_dir).discard(sweep_job)
         if sweep_job:  # Hydra records it and goes on with the next job
             detail = getattr(error, "detail", None)  # what the failing rank said
             raise JobFailed(f"{error}: {detail}" if detail else str(error)) from None
@@ -89,10 +83,30 @@ def hydra_app(cfg: DictConfig) -> float | None:
     return None if summary is None else summary[summary["objective"]]
 
 
+def _run_held(
+    cfg: DictConfig,
+    run_dir: Path,
+    hydra_cfg: DictConfig,
+    here: launch_context.LaunchContext,
+    sweep_job: bool,
+) -> dict | None:
+    """Validate and start the run in its dir, held; a rejected start removes what it made
+    while it still holds the dir (another start never finds it half gone)."""
+    try:
+        validate(cfg)
+        if sweep_job:
+            join_sweep(cfg, RunDir(run_dir), hydra_cfg)
+        OmegaConf.resolve(cfg)
+        return start(how_ranks_start(cfg.launcher, here), cfg, run_dir)
+    except Rejected:
+        RunDir(run_dir).discard(sweep_job)
+        raise
+
+
 def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:
     """A job of a sweep: its dir is only reused to resume it (a sweep run again with the same
     hydra.sweep.dir resumes every job), and its W&B run joins the sweep's group."""
-    run.check_reusable(cfg, sweep_job=True)
+    run.check_reusable(cfg, sweep_job=True, overrides=list(hydra_cfg.overrides.task))
     if "wandb" in cfg.logger:
         job, wandb = hydra_cfg.job, cfg.logger.wandb
         wandb.group = wandb.group or str(hydra_cfg.sweep.dir)

@@ -39,6 +39,10 @@ DIST_ENV_VARS = (
 # A user's own settings for the libraries a run uses: W&B's dir and mode, MLflow's store, Hydra's
 # tracebacks. Tests that need one set it themselves.
 USER_SETTINGS = ("WANDB_", "MLFLOW_", "HYDRA_FULL_ERROR", "FRAMEWORK_CONFIG_PATH")
+# The suite's own test packages (tests.faults, tests.integration.byo_components, ...) stand in
+# for a user's project: configs may trust them only because the environment says so
+# (docs/security.md: this repository's tests are never trusted by a config alone).
+os.environ["FRAMEWORK_TRUSTED_PACKAGES"] = "tests"
 
 
 def make_cfg(*overrides: str) -> DictConfig:

@@ -22,10 +22,12 @@ from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.utils import create_automatic_config_search_path
 from hydra.core.config_search_path import ConfigSearchPath, SearchPathQuery
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import setup_globals
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from framework.app.hydra_reference import check_hydra_settings
 from framework.config import CONF_DIR, validate
 from framework.config.redaction import remember_secrets
 from framework.config.registry import register_configs
@@ -37,24 +39,51 @@ APP_FILE = Path(__file__).resolve().parents[1] / "train.py"  # where @hydra.main
 
 def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig | None:
     """Raise ConfigError when a composed Hydra node (the run's, or any sweep job's) names code
-    that is not allowed, or (`app`) when the rest of it is not a valid config. Compositions
-    Hydra will refuse itself are left to Hydra. Returns the run's config once validated (a
-    single run's, with `app`), else None."""
+    that is not allowed or sets a key off the positive list (app/hydra_reference.py), or
+    (`app`) when the rest of it is not a valid config. Compositions Hydra will refuse itself
+    are left to Hydra. Returns the run's config once validated (a single run's, with `app`),
+    else None."""
     args = parsed_arguments(argv)
     if args is None or args.overrides is None:
         return None
     register_configs()  # the schemas the YAML files extend (train.py registers them too)
+    setup_globals()  # Hydra's resolvers (now, hydra), which Hydra registers when it starts
     loader = ConfigLoaderImpl(config_search_path=search_path(args))
+    mode, overrides = run_mode(loader, args)
     validated = None
-    for cfg in _compositions(loader, args):
+    for cfg, used in _compositions(loader, args, mode, overrides):
         hydra_node = OmegaConf.to_container(cfg.hydra, resolve=False)
         assert isinstance(hydra_node, dict)
-        check_hydra_node(hydra_node, trusted_prefixes(cfg))
+        trusted = trusted_prefixes(cfg)
+        check_hydra_node(hydra_node, trusted)
+        check_hydra_settings(cfg, used, trusted)
         remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
-        if app and not (args.multirun or args.cfg):  # (a sweep: each job, in Hydra; --cfg: shown)
+        if app and mode is RunMode.RUN and not args.cfg:  # (a sweep: each job, in Hydra)
             _validate(cfg)
             validated = cfg
     return validated
+
+
+def run_mode(loader: ConfigLoaderImpl, args: argparse.Namespace) -> tuple[RunMode, list[str]]:
+    """The run mode Hydra will pick, and the overrides it will compose with (it adds
+    hydra.mode): -m, or hydra.mode from the config (a file or an override may set it), as
+    hydra/_internal/utils.py decides. --cfg and --info compose a single run."""
+    overrides = list(args.overrides)
+    if not args.multirun and (args.cfg or args.info or args.shell_completion):
+        return RunMode.RUN, overrides
+    try:
+        found = loader.load_configuration(
+            args.config_name or "config",
+            overrides,
+            run_mode=RunMode.MULTIRUN,
+            validate_sweep_overrides=False,
+        ).hydra.mode
+    except Exception:  # noqa: BLE001 (Hydra's get_mode also treats any failure as unset)
+        found = None
+    if found is None or (args.multirun and found is RunMode.RUN):
+        mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
+        return mode, [*overrides, f"hydra.mode={mode.name}"]
+    return found, overrides
 
 
 def _validate(cfg: DictConfig) -> None:
@@ -78,41 +107,45 @@ def search_path(args: argparse.Namespace) -> ConfigSearchPath:
     return found
 
 
-def _compositions(loader: ConfigLoaderImpl, args: argparse.Namespace) -> Iterator[DictConfig]:
-    """The config of the run; for a sweep, its master config and each value of each swept key
-    (the others at their first value): every file any job selects is composed once."""
-    name = args.config_name or "config"
-    mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
+def _compositions(
+    loader: ConfigLoaderImpl, args: argparse.Namespace, mode: RunMode, overrides: list[str]
+) -> Iterator[tuple[DictConfig, list[str]]]:
+    """(config, the overrides it was composed with) of the run; for a sweep, its master config
+    and each value of each swept key (the others at their first value): every file any job
+    selects is composed once."""
     try:
-        master = loader.load_configuration(name, list(args.overrides), run_mode=mode)
+        master = loader.load_configuration(args.config_name or "config", overrides, run_mode=mode)
     except Exception:  # noqa: BLE001 (Hydra will refuse the same composition before calling anything)
         return
-    yield master
+    yield master, overrides
     if mode is RunMode.RUN:
         return
-    swept = _sweep_values(master, list(args.overrides))
-    first = {key: values[0] for key, values in swept.items()}
-    for key, values in swept.items():
-        for value in values[1:]:
-            job = [f"{k}={v}" for k, v in {**first, key: value}.items()]
+    recorded = OmegaConf.to_container(master.hydra.overrides, resolve=False)
+    assert isinstance(recorded, dict)
+    values = _sweep_values(master, list(recorded["task"]))
+    first = {key: options[0] for key, options in values.items()}
+    for key, options in values.items():
+        for option in options[1:]:
+            job = list({**first, key: option}.values())
             try:
-                yield loader.load_sweep_config(master, job)
+                yield loader.load_sweep_config(master, job), [*recorded["hydra"], *job]
             except Exception:  # noqa: BLE001 (this job fails in Hydra too, before its logging is set up)
                 continue
 
 
 def _sweep_values(master: DictConfig, overrides: list[str]) -> dict[str, list[str]]:
-    """Each swept key's values as override text, from the command line and from
-    hydra.sweeper.params (the basic sweeper applies both)."""
+    """Each key's job overrides (`key=value`, one per swept value), from hydra.sweeper.params
+    and the command line, as the basic sweeper splits them (its split_arguments)."""
     params = OmegaConf.to_container(master.hydra.sweeper, resolve=False).get("params") or {}
     lines = [f"{key}={value}" for key, value in params.items()] + overrides
-    swept: dict[str, list[str]] = {}
+    found: dict[str, list[str]] = {}
     for override in OverridesParser.create().parse_overrides(lines):
+        key = override.get_key_element()
         if not override.is_sweep_override():
+            found[key] = [f"{key}={override.get_value_element_as_str()}"]
             continue
         try:
-            values = [str(value) for value in override.sweep_string_iterator()]
+            found[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
         except Exception:  # noqa: BLE001 (an interval or a glob: numbers or names, no file of their own)
             continue
-        swept[override.get_key_element()] = values
-    return swept
+    return found

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.utils import JobReturn, JobStatus
 
 from framework.core.secrets import scrub
@@ -36,11 +37,8 @@ class JobRow:
 
     @classmethod
     def from_return(cls, num: int, ret: JobReturn) -> JobRow:
-        overrides = dict(item.split("=", 1) for item in ret.overrides or [] if "=" in item)
         overrides = {  # scrubbed: a swept value may be a secret (core/secrets.py)
-            key: scrub(value)
-            for key, value in overrides.items()
-            if not key.lstrip("+~").startswith("hydra.")
+            key: scrub(value) for key, value in _app_overrides(list(ret.overrides or [])).items()
         }
         completed = ret.status == JobStatus.COMPLETED
         # Hydra's working_dir is the cwd (hydra.job.chdir=false); the job's dir is the output dir.
@@ -63,7 +61,9 @@ class SweepSummary:
 
     def __init__(self, sweep_dir: Path, objective: str | None) -> None:
         self.sweep_dir, self.configured_objective = sweep_dir, objective
-        self.rows: dict[int, JobRow] = {}
+        # The same sweep run again (to resume it): the jobs that completed before keep their
+        # rows until they report again, and a failure now never replaces a completed row.
+        self.rows: dict[int, JobRow] = earlier_rows(sweep_dir)
 
     @property
     def objective(self) -> str:
@@ -83,7 +83,12 @@ class SweepSummary:
 
     def add(self, first_num: int, returns: list[JobReturn]) -> None:
         for offset, ret in enumerate(returns):
-            self.rows[first_num + offset] = JobRow.from_return(first_num + offset, ret)
+            row = JobRow.from_return(first_num + offset, ret)
+            earlier = self.rows.get(row.num)
+            if row.status == "failed" and earlier is not None and earlier.status == "completed":
+                log.warning("sweep job %d: %s (its completed run is kept)", row.num, row.error)
+                continue
+            self.rows[row.num] = row
         self.write()
         failed = sum(row.status == "failed" for row in self.rows.values())
         best = self.best()
@@ -148,6 +153,36 @@ class SweepSummary:
             for row in rows
             if row.status == "completed"
         ]
+
+
+def earlier_rows(sweep_dir: Path) -> dict[int, JobRow]:
+    """The completed jobs a sweep dir already holds: <num>/summary.json and the job's record
+    of its overrides."""
+    rows = {}
+    for job_dir in sweep_dir.iterdir() if sweep_dir.is_dir() else ():
+        run = RunDir(job_dir)
+        record = run.record / "overrides.yaml"
+        if not job_dir.name.isdigit() or not run.summary.is_file() or not record.is_file():
+            continue
+        try:
+            overrides = [str(item) for item in yaml.safe_load(record.read_text()) or []]
+            metrics = json.loads(run.summary.read_text())
+        except (OSError, ValueError, TypeError, yaml.YAMLError):  # a job killed mid-write
+            continue
+        row = JobRow(
+            num=int(job_dir.name),
+            status="completed",
+            overrides=_app_overrides(overrides),
+            run_dir=str(job_dir),
+            metrics=metrics,
+        )
+        rows[row.num] = row
+    return rows
+
+
+def _app_overrides(items: list[str]) -> dict[str, str]:
+    pairs = dict(item.split("=", 1) for item in items if "=" in item)
+    return {key: value for key, value in pairs.items() if not key.lstrip("+~").startswith("hydra.")}
 
 
 def _format(value: Any) -> str:

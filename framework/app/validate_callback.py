@@ -3,14 +3,17 @@ writes any output dir, and Hydra's record of the job is written with secrets red
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra._internal.sources_registry import SourcesRegistry
 from hydra.core.object_type import ObjectType
 from hydra.experimental.callback import Callback
 from hydra.plugins.config_source import ConfigSource
-from omegaconf import DictConfig, OmegaConf
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.app.config_search_path import PROJECT_PROVIDER, USER_PROVIDER
@@ -31,20 +34,26 @@ class ValidateBeforeRun(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)
-        run = RunDir(Path(config.hydra.run.dir))
+        # Judged where it really is (`..` and links resolved), and used as judged.
+        run = RunDir(real_path(config.hydra.run.dir))
         try:
             _check_creatable("hydra.run.dir", run.path)
             _check_shared_run_dir(config)
             if not joins_other_node(config.launcher):  # the host node's start checks it
-                run.check_reusable(config, sweep_job=False)
+                overrides = list(config.hydra.overrides.task)
+                run.check_reusable(config, sweep_job=False, overrides=overrides)
         except ConfigError as error:
             end(error)
+        with read_write(config.hydra.run):
+            config.hydra.run.dir = str(run.path)
         run.note_missing_folders()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config)
         try:  # before anything is submitted
-            _check_creatable("hydra.sweep.dir", Path(config.hydra.sweep.dir))
+            sweep_dir = real_path(config.hydra.sweep.dir)
+            _check_creatable("hydra.sweep.dir", sweep_dir)
+            check_sweep_dir(sweep_dir, list(config.hydra.overrides.task))
             check_cluster(config.launcher)
         except ConfigError as error:
             end(error)
@@ -55,8 +64,18 @@ class ValidateBeforeRun(Callback):
         if launch_context.current().is_follower or joins_other_node(config.launcher):
             return
         run = RunDir(Path(config.hydra.runtime.output_dir))
+        if config.hydra.mode == RunMode.MULTIRUN:
+            try:
+                _check_inside_sweep_dir(run.path, real_path(config.hydra.sweep.dir))
+            except ConfigError as error:
+                end(error)
+        # Held before anything is written: a start that finds it taken changes nothing (the
+        # app refuses it, naming the holder).
+        if not run.take_at_start():
+            return
         run.note_start()
-        if self.output_subdir is None or run.is_foreign():  # (a foreign dir is refused next)
+        # (a foreign dir, or one holding a link, is refused next, untouched)
+        if self.output_subdir is None or run.is_foreign() or run.links():
             return
         record = run.path / self.output_subdir
         # A resumed run dir keeps the record of the command that created it: a resume that is
@@ -93,6 +112,45 @@ def _check_shared_run_dir(config: DictConfig) -> None:
         f"launcher.nnodes={config.launcher.nnodes}: the nodes of a job share one run dir and "
         "find each other by its name: give every node the same hydra.run.dir=<a folder on a "
         "shared file system>",
+    )
+
+
+def real_path(path: Any) -> Path:
+    """Where `path` really is: `..` and links resolved as far as the path exists, the rest as
+    the file system will resolve it once made (`new/../../mine` is `mine`)."""
+    return Path(os.path.realpath(os.path.expanduser(str(path))))
+
+
+def check_sweep_dir(sweep_dir: Path, overrides: list[str]) -> None:
+    """A sweep dir that holds files is only reused by the same sweep (to resume it): a user's
+    folder, or another sweep's dir (whose summary this sweep's rows would replace), is refused."""
+    if not sweep_dir.is_dir() or not any(sweep_dir.iterdir()):
+        return
+    master = sweep_dir / "multirun.yaml"
+    foreign = ConfigError(
+        f"hydra.sweep.dir={sweep_dir} holds files that are not a sweep's; it is left "
+        "untouched. Choose a new hydra.sweep.dir"
+    )
+    if not master.is_file() or master.is_symlink():
+        raise foreign
+    try:
+        earlier = OmegaConf.select(OmegaConf.load(master), "hydra.overrides.task", default=None)
+    except (OSError, ValueError, OmegaConfBaseException, yaml.YAMLError):
+        raise foreign from None
+    require(
+        earlier is None or list(earlier) == overrides,
+        f"hydra.sweep.dir={sweep_dir} holds another sweep ({' '.join(map(str, earlier or []))}); "
+        "only the same command resumes it, and it is left untouched. Choose a new "
+        "hydra.sweep.dir",
+    )
+
+
+def _check_inside_sweep_dir(job_dir: Path, sweep_dir: Path) -> None:
+    real = real_path(job_dir)
+    require(
+        sweep_dir in real.parents,
+        f"hydra.sweep.subdir puts a job's dir at {real}, outside hydra.sweep.dir={sweep_dir}: "
+        "name a folder inside it",
     )
 
 

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import batch
 from framework.config import schemas as s
+from framework.config.data_sizes import check_data_sizes
 from framework.config.option_keys import check_target_keys
 from framework.config.registry import shipped_choice, shipped_targets
 from framework.config.resolvers import gpu_count
@@ -94,6 +95,7 @@ def validate(cfg: DictConfig) -> None:
     for group in GROUPS:
         for check in checks_for(cfg[group]):
             check(cfg[group], cfg)
+    check_data_sizes(cfg.data, fewest_ranks(cfg.launcher), cfg.trainer.grad_accum)
     for name, logger in cfg.logger.items():
         _check_logger(str(name), logger, cfg)
     directions = task_directions(cfg.task._target_)
@@ -351,6 +353,13 @@ def _check_local(launcher: DictConfig, cfg: DictConfig) -> None:
     _check_ranks_fit_this_machine(launcher, cfg)
 
 
+def fewest_ranks(launcher: DictConfig) -> int:
+    """The fewest ranks the launcher may start: nodes (the low end of an elastic range) x
+    ranks per node."""
+    nodes = node_range(launcher.nnodes)[0] if "nnodes" in launcher else launcher.get("nodes", 1)
+    return launcher.nproc_per_node * nodes
+
+
 def node_range(nnodes: str | int) -> tuple[int, int]:
     """launcher.nnodes as (min, max): `N` is (N, N), `MIN:MAX` an elastic range."""
     parts = str(nnodes).split(":")
@@ -489,10 +498,31 @@ def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
     )
 
 
+# What the run itself writes in its dir (storage/run_dir.py, the loggers' folders): a logger's
+# file may not replace one. Names starting with "." are the run's too (.lock, temporary files).
+RUN_DIR_NAMES = frozenset(
+    {
+        "config.yaml",
+        "metrics.jsonl",
+        "summary.json",
+        "train.log",
+        "curves.png",
+        "checkpoints",
+        "wandb",
+        "tensorboard",
+        "profile",
+        "eval",
+    }
+)
+
+
 def file_name_problem(filename: str) -> str | None:
-    """Why `filename` does not name a file directly in the run dir; None when it does."""
+    """Why `filename` does not name a file of its own directly in the run dir; None when it
+    does."""
     if not filename or Path(filename).name != filename or filename in (".", ".."):
         return "must be a file name in the run dir (no folder, no ..)"
+    if filename in RUN_DIR_NAMES or filename.startswith("."):
+        return "is a file the run writes itself: choose another name (metrics.csv)"
     return None
 
 

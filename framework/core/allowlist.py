@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 import sysconfig
 from collections.abc import Iterable, Iterator, Mapping
@@ -27,6 +28,7 @@ from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, R
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from framework.core.exits import ConfigError
+from framework.core.hydra_settings import refusal, settable
 from framework.core.signatures import definition_of, suggestion
 
 # --- what may run ---------------------------------------------------------------------------
@@ -60,16 +62,25 @@ DENIED_TARGETS = (
 )
 # Pretrained weights: torchvision downloads them into torch hub's cache and unpickles whatever
 # file it finds there (without a hash check once cached). Load weights in your own code.
-DENIED_ARGUMENTS = {"torchvision.models": ("weights", "weights_backbone")}
+# `pretrained=True` is torchvision's older spelling of the same (it still loads the weights).
+DENIED_ARGUMENTS = {
+    "torchvision.models": ("weights", "weights_backbone", "pretrained", "pretrained_backbone")
+}
 TARGET_FIX = (
     "name a public class or function of torch.nn, torch.optim, torch.utils.data or "
     "torchvision.models/transforms, a shipped option's target, or one of your own modules "
     "listed in allowed_targets in a config file"
 )
 TRUST_FIX = (
-    "allowed_targets may only list your own modules (source outside the Python installation "
-    "and its site-packages); list the module that wraps what you need"
+    "allowed_targets may only list your own project's modules (source outside the Python "
+    "installation, its site-packages and this framework's own tree); list the module that "
+    "wraps what you need"
 )
+# This framework's source tree: a clone holds its tests and benchmarks beside it (benchmarks
+# start subprocesses), which a config must not trust; in a wheel, site-packages.
+FRAMEWORK_TREE = Path(__file__).resolve().parents[2]
+# Packages the environment (trusted, unlike a config) lets allowed_targets name all the same.
+TRUSTED_PACKAGES = "FRAMEWORK_TRUSTED_PACKAGES"
 
 
 def matches_prefix(name: str, prefixes: Iterable[str]) -> bool:
@@ -146,16 +157,28 @@ def target_problem(
         return f"is {real}, not a class or function: " + TARGET_FIX
     home = family or FRAMEWORK_FAMILY
     if real != target:
-        if has_private_segment(real) or matches_prefix(real, DENIED_TARGETS):
+        if matches_prefix(real, DENIED_TARGETS) or _private_elsewhere(target, real, home):
             return f"resolves to {real}, which is not allowed: " + TARGET_FIX
         if not matches_prefix(real, [home, FRAMEWORK_FAMILY, *trusted]):
             return f"resolves to {real}, outside the allowed families: " + TARGET_FIX
     return None
 
 
+def _private_elsewhere(target: str, real: str, home: str) -> bool:
+    """A private segment in what `target` resolves to, other than the private module in which
+    its own family defines it (torchvision.transforms.v2.RandomCrop is defined in
+    torchvision.transforms.v2._geometry, under the same public name)."""
+    if not has_private_segment(real):
+        return False
+    module, _, name = real.rpartition(".")
+    same_name = name == target.rpartition(".")[2]
+    return not (same_name and home in TARGET_FAMILIES and matches_prefix(module, [home]))
+
+
 def _is_own_source(module: str) -> bool:
-    """Whether the top package of `module` is code outside Python and its installed packages:
-    the user's own project (an editable install or the working directory)."""
+    """Whether the top package of `module` is code outside Python, its installed packages and
+    this framework's own source tree: the user's own project (an editable install or the
+    working directory)."""
     try:
         spec = importlib.util.find_spec(module.split(".")[0])
     except (ImportError, ValueError):
@@ -168,7 +191,7 @@ def _is_own_source(module: str) -> bool:
         Path(path).resolve()
         for key in ("stdlib", "platstdlib", "purelib", "platlib")
         if (path := sysconfig.get_paths().get(key))
-    }
+    } | {FRAMEWORK_TREE}
     if not places or any(not Path(place).is_absolute() for place in places):
         return False  # built-in or frozen
     return not any(
@@ -178,16 +201,26 @@ def _is_own_source(module: str) -> bool:
     )
 
 
+def trusted_by_environment(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The packages $FRAMEWORK_TRUSTED_PACKAGES names: the environment is trusted, so it may
+    let allowed_targets name an installed package of yours, or this clone's own tests."""
+    return tuple(name.strip() for name in environ.get(TRUSTED_PACKAGES, "").split(",") if name)
+
+
 def trusted_prefixes(cfg: DictConfig | Mapping) -> tuple[str, ...]:
     """allowed_targets, once each entry is known to be a module prefix of your own code: a
-    config (perhaps a colleague's) can trust your code, never the libraries installed."""
+    config (perhaps a colleague's) can trust your code, never the libraries installed nor this
+    framework's own tests and benchmarks (unless $FRAMEWORK_TRUSTED_PACKAGES names them)."""
     extra = cfg.get("allowed_targets") or []
+    by_environment = trusted_by_environment(os.environ)
     for prefix in extra:
         if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z]\w*(\.[A-Za-z]\w*)*", prefix):
             raise ConfigError(
                 f"allowed_targets entry {prefix!r} is invalid: use a dotted module prefix "
                 "such as my_package.models"
             )
+        if matches_prefix(prefix, by_environment) and not matches_prefix(prefix, ["framework"]):
+            continue
         if matches_prefix(prefix, ["framework"]) or not _is_own_source(prefix):
             raise ConfigError(f"allowed_targets entry {prefix!r} is refused: {TRUST_FIX}")
     return tuple(extra)
@@ -238,8 +271,6 @@ LOGGING_STREAMS = ("ext://sys.stdout", "ext://sys.stderr")
 # lines (holding config values) to any file, a shell's rc file included.
 LOG_FILE_PREFIX = "${hydra.runtime.output_dir}/"
 VALIDATE_CALLBACK = "hydra.callbacks.validate"
-# Variables that make every process started afterwards load code (hydra.job.env_set sets them).
-CODE_LOADING_ENV = re.compile(r"^(LD_.*|DYLD_.*|PYTHON.*|BASH_ENV|ENV|PERL5OPT|NODE_OPTIONS)$")
 HYDRA_NODE_FIX = (
     "Hydra's node may name the launchers, sweepers, callbacks and logging classes that Hydra "
     "and this framework ship, or your own modules listed in allowed_targets in a config file"
@@ -318,7 +349,7 @@ def _check_arguments(cfg: DictConfig | Mapping, node_path: str, target: str) -> 
         if node is None or not matches_prefix(target, [family]):
             continue
         for name in names:
-            if node.get(name) is not None:
+            if node.get(name) not in (None, False):
                 raise ConfigError(
                     f"{node_path}.{name}={node.get(name)} is not allowed: pretrained weights "
                     "are unpickled from torch hub's cache; load them in your own model code "
@@ -416,8 +447,6 @@ def command_line_problem(path: str, value: Any) -> str | None:
             f"hydra.output_subdir={value} would make Hydra write its unredacted records: use "
             f"{VALIDATE_CALLBACK}.output_subdir={value} (the redacted copy) instead"
         )
-    if matches_prefix(path, ["hydra.job.env_set"]) and CODE_LOADING_ENV.match(path.split(".")[-1]):
-        return f"{path} cannot be set on the command line: it makes new processes load code"
     if value is None:
         return None
     if matches_prefix(path, HYDRA_CODE_NODES) and isinstance(value, str) and "${" in value:
@@ -441,16 +470,23 @@ def sweeper_param_overrides(override: Any) -> list[str]:
 
 
 def check_command_line(argv: list[str]) -> None:
-    """Refuse overrides that would run code Hydra instantiates before our callback runs, or
-    that change the allowlist. Raises ConfigError naming the override and the fix."""
+    """Refuse overrides that would run code Hydra instantiates before our callback runs, that
+    change the allowlist, or that set a key of Hydra's node off the positive list
+    (core/hydra_settings.py). Raises ConfigError naming the override and the fix."""
     overrides, rerun = parse_command_line(argv)
     if rerun is not None:
         raise ConfigError("--experimental-rerun loads a pickle, which can run any code: refused")
-    pending = list(overrides)
+    pending, keys = list(overrides), []
     while pending:
         override = pending.pop(0)
         for path, value in override_leaves(override):
             problem = command_line_problem(path, value)
             if problem:
                 raise ConfigError(problem)
+            keys.append(path)
         pending += parse_overrides(sweeper_param_overrides(override))
+    for path in keys:  # (after the checks above, whose messages name the code)
+        if path == "hydra.output_subdir":  # null only, which it is (command_line_problem)
+            continue
+        if matches_prefix(path, ["hydra"]) and not settable(path):
+            raise ConfigError(refusal(path))

@@ -36,8 +36,12 @@ from framework.core.secrets import scrub_text
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
-    """An exception's first line, for a one-line message that names its cause."""
-    return (str(error).splitlines() or [type(error).__name__])[0][:limit]
+    """An exception's first line, for a one-line message that names its cause; a longer one is
+    cut at a word, never inside one."""
+    line = (str(error).splitlines() or [type(error).__name__])[0]
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
 class ExitCode(IntEnum):

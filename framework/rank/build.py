@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -86,12 +87,13 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
     log.info("Instantiating precision <%s>", cfg.precision._target_)
     precision = instantiate(cfg.precision)(device=device)
     ddp_options = OmegaConf.to_container(cfg.dist.ddp)  # DistributedDataParallel's keywords
-    model = build_model(
-        cfg.model, cfg.strategy, trainer, ddp_options, env, device, precision.param_dtype
-    )
-    # Read once: the pre-flight check and the FLOPs count run on the same first batch.
-    train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
-    check_task(task, model.module, train_batch, device)
+    with refused_if_too_large(cfg.model, device):
+        model = build_model(
+            cfg.model, cfg.strategy, trainer, ddp_options, env, device, precision.param_dtype
+        )
+        # Read once: the pre-flight check and the FLOPs count run on the same first batch.
+        train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
+        check_task(task, model.module, train_batch, device)
     startup_clock.mark("model")
     return Parts(
         trainer=trainer,
@@ -172,6 +174,59 @@ def build_model(
     if recipe is not None:
         strategy.materialize(recipe, [module, *([ema.module] if ema else [])], device)
     return Model(train, module, ema, strategy)
+
+
+# What torch's allocators say when a request cannot be met (CPU: "can't allocate memory" or
+# "not enough memory"; CUDA raises torch.OutOfMemoryError).
+OUT_OF_MEMORY = re.compile(r"allocate memory|not enough memory|out of memory", re.IGNORECASE)
+REQUESTED = re.compile(r"tried to allocate ([0-9.]+) ?(bytes|[KMGT]iB)", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def refused_if_too_large(model_cfg: DictConfig, device: torch.device) -> Iterator[None]:
+    """A model too large for the device's memory is a config mistake: one line naming its
+    largest setting, not the allocator's traceback. Nothing was trained, so its run dir goes."""
+    try:
+        yield
+    except Exception as error:
+        said = _out_of_memory(error)
+        if said is None:
+            raise
+        amount = REQUESTED.search(said)
+        asked = f": it asked for {_gigabytes(amount)} GB at once" if amount else ""
+        raise ConfigError(
+            f"model: {model_cfg._target_} is too large for the {device.type} memory of this "
+            f"machine{asked}; make it smaller ({_largest_setting(model_cfg)})"
+        ) from None
+
+
+def _out_of_memory(error: BaseException | None) -> str | None:
+    """torch's message when `error` (or what caused it: Hydra wraps it) is an allocation
+    that failed."""
+    while error is not None:
+        if isinstance(error, torch.OutOfMemoryError) or (
+            isinstance(error, RuntimeError) and OUT_OF_MEMORY.search(str(error))
+        ):
+            return str(error)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _gigabytes(amount: re.Match) -> str:
+    scale = {"bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    return f"{float(amount.group(1)) * scale[amount.group(2).lower()] / 1e9:.1f}"
+
+
+def _largest_setting(model_cfg: DictConfig) -> str:
+    sizes = {
+        key: value
+        for key, value in model_cfg.items()
+        if isinstance(value, int) and not isinstance(value, bool)
+    }
+    if not sizes:
+        return "its size settings"
+    key = max(sizes, key=lambda name: sizes[name])
+    return f"its largest setting is model.{key}={sizes[key]}"
 
 
 @contextlib.contextmanager

@@ -318,21 +318,57 @@ def _load_ours(path: Path, checkpoint: Path) -> dict[str, Any]:
     return payload
 
 
+# What torch's reader raises on bytes that are not its archive (a text file: KeyError).
+UNREADABLE = (
+    pickle.UnpicklingError,
+    RuntimeError,
+    EOFError,
+    OSError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+)
+
+
 def _load_payload(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        reason = next((line for line in str(error).splitlines() if "GLOBAL" in line), "")
+    except UNREADABLE as error:
+        found = next((line for line in str(error).splitlines() if "GLOBAL" in line), None)
+        if isinstance(error, pickle.UnpicklingError) and found is not None:
+            raise CheckpointError(
+                f"checkpoint {path} was refused: it holds pickled objects or code, not only "
+                f"tensors and plain values ({found.strip()}); nothing in it was executed"
+            ) from None
         raise CheckpointError(
-            f"checkpoint {path} was refused: it holds pickled objects or code, not only tensors "
-            f"and plain values ({reason.strip() or 'weights_only load failed'}); nothing in it "
-            "was executed"
+            f"checkpoint {path} is unreadable: {unreadable_because(path)}; nothing in it was "
+            "executed"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as error:
-        raise CheckpointError(
-            f"checkpoint {path} is unreadable (empty, truncated or corrupted: "
-            f"{first_line(error, 120)})"
-        ) from None
+
+
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+PICKLE_PROTOCOL = 0x80  # the first byte of a pickle of protocol 2 or later
+
+
+def unreadable_because(path: Path) -> str:
+    """Why torch could not read `path`, in words about the file (torch's own message speaks of
+    its legacy formats and weights_only, which a damaged file has nothing to do with)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4096)
+    except OSError as error:
+        return f"it cannot be opened ({error.strerror or error})"
+    if not head:
+        return "the file is empty"
+    if head.count(0) == len(head):
+        return "it holds only zero bytes (overwritten, or never written to the disk)"
+    if head.startswith(ZIP_MAGIC):
+        return "its archive is truncated or corrupted"
+    if head[0] == PICKLE_PROTOCOL:
+        return "it is a bare pickle, not a checkpoint (torch.save writes an archive)"
+    return "it is not a checkpoint (neither a torch archive nor a pickle)"
 
 
 def _read_sidecar(sidecar: Path) -> dict[str, Any]:

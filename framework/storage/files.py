@@ -24,8 +24,9 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
     """`write(file)` into a temporary file beside `path`, flushed to disk, then renamed over it:
     `path` is the old file or the new one, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # a leftover (or a planted link): made anew, never followed
     try:
-        with open(tmp, "wb") as file:
+        with open(tmp, "xb") as file:  # O_CREAT|O_EXCL: a link in its place is not followed
             write(file)
             file.flush()
             os.fsync(file.fileno())

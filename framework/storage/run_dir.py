@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +48,11 @@ THROWAWAY_PREFIX = "framework-rank"  # the temporary Hydra dir of torchrun ranks
 _BEGUN_EMPTY: set[Path] = set()
 # Folders that did not exist before this process's run: Hydra makes them (outputs/<date>/...).
 _MADE_FOR_RUNS: set[Path] = set()
+LOCK_MARK = b"pid "  # how the lock's line begins: "pid N on host, since ..."
+# Run dirs whose lock this process holds: {resolved dir: the lock's file descriptor}.
+_HELD: dict[Path, int] = {}
+# The lock each job's start took, before anything was written, for the app to hold on to.
+_TAKEN_AT_START: dict[Path, int] = {}
 
 
 @dataclass(frozen=True)
@@ -96,19 +102,53 @@ class RunDir:
             return False
         if self.path.resolve() in _BEGUN_EMPTY:
             return False
-        return not (self.lock.exists() or self.holds_run() or step_files(self.checkpoints))
+        return not (self.holds_our_lock() or self.holds_run() or step_files(self.checkpoints))
 
-    def continues(self, cfg: DictConfig) -> bool:
-        """A run dir with a run in it is only reused to resume it: from its checkpoints, or as
-        a restart of the same job (torchrun's restart, a requeued SLURM job), which may have
-        been killed before its first checkpoint."""
+    def holds_our_lock(self) -> bool:
+        """A .lock a run of ours wrote ("pid N on host, since ..."): a `.lock` of some other
+        tool in a user's folder does not make it a run dir."""
+        if self.lock.is_symlink() or not self.lock.is_file():
+            return False
+        with open(self.lock, "rb") as file:
+            return file.read(4) == LOCK_MARK
+
+    def links(self) -> list[str]:
+        """The links in the dir and in its record (.hydra/): a run makes none there (last.pt
+        lies in checkpoints/, whose files are written by rename), and every name in them is
+        one the run may write into (its own files, a logger's, Hydra's record)."""
+        found = []
+        for folder in (self.path, self.record):
+            if folder.is_dir() and not folder.is_symlink():
+                found += [
+                    entry.relative_to(self.path).as_posix()
+                    for entry in folder.iterdir()
+                    if entry.is_symlink()
+                ]
+        return sorted(found)
+
+    def continues(self, cfg: DictConfig, overrides: list[str] | None = None) -> bool:
+        """A run dir with a run in it is only reused to resume it: from its checkpoints, as a
+        restart of the same job (torchrun's restart, a requeued SLURM job), or as the same
+        command again after the run was stopped before its first checkpoint (it starts over)."""
         if cfg.checkpoint.resume == "never":
             return False
-        return launch_context.current().restarted() or bool(step_files(self.checkpoints))
+        if launch_context.current().restarted() or step_files(self.checkpoints):
+            return True
+        return not self.summary.exists() and self.started_by(overrides)
 
-    def check_reusable(self, cfg: DictConfig, sweep_job: bool) -> None:
-        """Refuse a dir that holds a run this config would not continue, or files that are not
-        a run's: it stays untouched."""
+    def started_by(self, overrides: list[str] | None) -> bool:
+        """Whether the record of the command that started this dir's run holds `overrides`."""
+        recorded = self.record / "overrides.yaml"
+        if overrides is None or not recorded.is_file() or recorded.is_symlink():
+            return False
+        return list(OmegaConf.load(recorded) or []) == list(overrides)
+
+    def check_reusable(
+        self, cfg: DictConfig, sweep_job: bool, overrides: list[str] | None = None
+    ) -> None:
+        """Refuse a dir that holds a run this config would not continue, files that are not a
+        run's, or a link where the run writes its own files: it stays untouched. `overrides`:
+        the command's (Hydra's record), to continue a run stopped before its first checkpoint."""
         where, fix = (
             (str(self.path), "Choose a new hydra.sweep.dir")
             if sweep_job
@@ -123,7 +163,12 @@ class RunDir:
             raise ConfigError(
                 f"{where} holds files that are not a run's ({shown}); it is left untouched. {fix}"
             )
-        if not self.holds_run() or self.continues(cfg):
+        if links := self.links():
+            raise ConfigError(
+                f"{where} holds a link where a run writes its files ({', '.join(links)}); "
+                f"a run never writes through one: it is left untouched. {fix}"
+            )
+        if not self.holds_run() or self.continues(cfg, overrides):
             return
         raise ConfigError(
             f"{where} already holds a run with no checkpoint to continue from (or "
@@ -169,7 +214,7 @@ class RunDir:
     def note_start(self) -> None:
         """At the start of a job, before anything is written into the dir (Hydra has only
         made it): whether it is empty, so this start's own, which `discard` may remove."""
-        if self.path.is_dir() and not any(self.path.iterdir()):
+        if self.path.is_dir() and all(entry.name == ".lock" for entry in self.path.iterdir()):
             _BEGUN_EMPTY.add(self.path.resolve())
         else:  # an earlier start in this process began it empty; this one did not
             _BEGUN_EMPTY.discard(self.path.resolve())
@@ -182,6 +227,19 @@ class RunDir:
         path = self.path.resolve()
         if path not in _BEGUN_EMPTY or step_files(self.checkpoints):
             return
+        if path in _HELD:
+            self._remove_begun_dir(path, sweep_job)
+            return
+        try:
+            self.take()  # another start holding this dir: it stays as it is
+        except ConfigError:
+            return
+        try:
+            self._remove_begun_dir(path, sweep_job)
+        finally:
+            self.release()
+
+    def _remove_begun_dir(self, path: Path, sweep_job: bool) -> None:
         if path == Path.cwd().resolve():  # an empty working dir the user ran in: empty it again
             for entry in path.iterdir():
                 if entry.is_dir() and not entry.is_symlink():
@@ -197,33 +255,95 @@ class RunDir:
                 folder.rmdir()
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self, adopt: bool = False) -> Iterator[None]:
         """Hold the run dir for the run's life: a second run here is refused, naming this one.
-        The OS releases the lock when this process dies, so a restart of the same job (torchrun,
-        a SLURM requeue) takes it again."""
-        handle = open(self.lock, "a+")  # noqa: SIM115 (held open for the run's life)
+        `adopt`: the lock this job's start took (`take_at_start`), if it took one. The OS
+        releases the lock when this process dies, so a restart of the same job (torchrun, a
+        SLURM requeue) takes it again."""
+        taken = _TAKEN_AT_START.pop(self.path.resolve(), None) if adopt else None
+        if taken is None:
+            self.take()
         try:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = self.lock.read_text().strip() or "another process"
-                raise ConfigError(
-                    f"hydra.run.dir={self.path} is in use by another run ({holder}); nothing was "
-                    "changed. Wait for it to end, or choose another hydra.run.dir"
-                ) from None
-            except OSError as error:  # a file system without locks (some cluster mounts)
-                if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise
-                log.warning(
-                    "%s cannot be locked (%s): a second run is not refused", self.lock, error
-                )
-            handle.truncate(0)
-            started = datetime.datetime.now().isoformat(timespec="seconds")
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n")
-            handle.flush()
             yield
         finally:
-            handle.close()
+            self.release()
+
+    def take_at_start(self) -> bool:
+        """Take the lock as a job starts, before anything is written into the dir (Hydra has
+        only made it); False when another run holds it (the app then refuses the start)."""
+        try:
+            self.take()
+        except ConfigError:
+            return False
+        _TAKEN_AT_START[self.path.resolve()] = _HELD[self.path.resolve()]
+        return True
+
+    def take(self) -> None:
+        """The lock, atomically (flock on a file opened O_NOFOLLOW, checked to be a plain file
+        of its own) and never through a link: a planted .lock link, symbolic or hard, would
+        have the run overwrite the file it points to."""
+        fd = _open_lock(self.lock)
+        try:
+            _check_own_file(fd, self.lock)
+            _lock(fd, self)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        holder = f"{os.getpid()} on {socket.gethostname()}, since {started}\n"
+        os.pwrite(fd, LOCK_MARK + holder.encode(), 0)
+        _HELD[self.path.resolve()] = fd
+
+    def release(self) -> None:
+        fd = _HELD.pop(self.path.resolve(), None)
+        _TAKEN_AT_START.pop(self.path.resolve(), None)
+        if fd is not None:
+            os.close(fd)
+
+
+def _open_lock(lock: Path) -> int:
+    """The lock file, made new (O_EXCL) or opened as it is, never through a link (O_NOFOLLOW)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        try:
+            return os.open(lock, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:  # an earlier run's, or another start's at this moment
+            return os.open(lock, flags)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise ConfigError(
+            f"{lock} is a link: a run never writes through one; nothing was changed. "
+            "Remove it, or choose another hydra.run.dir"
+        ) from None
+
+
+def _check_own_file(fd: int, lock: Path) -> None:
+    """A hard link to a user's file (or a fifo, a device) opens like a lock file: only a plain
+    file with no other name, empty or holding a run's line, is written into."""
+    info = os.fstat(fd)
+    ours = stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+    if not ours or (info.st_size and os.pread(fd, len(LOCK_MARK), 0) != LOCK_MARK):
+        raise ConfigError(
+            f"{lock} is not a run's lock file (another tool's, a link to another file, or not "
+            "a plain file); nothing was changed. Remove it, or choose another hydra.run.dir"
+        )
+
+
+def _lock(fd: int, run: RunDir) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        raise ConfigError(
+            f"hydra.run.dir={run.path} is in use by another run ({holder}); nothing was "
+            "changed. Wait for it to end, or choose another hydra.run.dir"
+        ) from None
+    except OSError as error:  # a file system without locks (some cluster mounts)
+        if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+        log.warning("%s cannot be locked (%s): a second run is not refused", run.lock, error)
 
 
 def _event_step(line: str) -> float:
@@ -243,14 +363,25 @@ def is_throwaway(path: Path) -> bool:
     return path.name.startswith(THROWAWAY_PREFIX)
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long to look up: it does not exist (and cannot)
+        return False
+
+
 def creation_problem(path: Path) -> str | None:
     """Why `path` cannot be created as a run dir (its nearest existing folder is a file or not
     writable), or None. Checked before Hydra creates it, which would end in a traceback."""
     existing = path
-    while not existing.exists() and existing != existing.parent:
+    while not _exists(existing) and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
+    longest = os.pathconf(existing, "PC_NAME_MAX")
+    for part in path.relative_to(existing).parts:
+        if len(os.fsencode(part)) > longest:
+            return f"its folder name {part[:40]}... is longer than the {longest} bytes allowed"
     return None

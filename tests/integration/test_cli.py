@@ -160,11 +160,12 @@ BAD_INPUT = [
         ["error: comm=powersgd", "strategy=fsdp", "comm=allreduce"],
     ),
     (["precision=fp8"], ["precision/fp8", "amp", "bf16", "fp32"]),
-    # Rejected by the ranks after Hydra made the run dir: the dir is removed again.
     (
         ["data=synthetic", "data.train_size=16", "data.val_size=4"],
-        ["data.batch_size", "smaller than one global batch"],
+        ["data.batch_size=32", "smaller than one global batch"],
     ),
+    # Rejected by the ranks after Hydra made the run dir: the dir is removed again.
+    (["task=autoencoder"], ["task=autoencoder", "must have its inputs' shape"]),
     (["comm=powersgd", "comm.compress=fp8"], ["comm.compress='fp8'", "not one of 'fp16', 'bf16'"]),
     (["trainer.on_nonfinite=ignore"], ["trainer.on_nonfinite=ignore", "one of [stop, skip]"]),
     (["trainer.max_step=5"], ["trainer.max_step", "not in 'TrainerConfig'"]),

@@ -226,7 +226,7 @@ def test_an_explicit_checkpoint_that_is_broken_or_from_another_model_is_one_clea
         *one_rank, f"checkpoint.resume={broken}", f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path
     )
     assert result.returncode == 2
-    assert f"error: checkpoint {broken} is unreadable (empty, truncated or corrupted" in (
+    assert f"error: checkpoint {broken} is unreadable: its archive is truncated or corrupted" in (
         result.stderr
     )
     assert not (tmp_path / "a").exists()

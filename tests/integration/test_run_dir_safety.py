@@ -3,6 +3,7 @@ never written into, and two runs never share a run dir (framework/storage/run_di
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from framework.storage.run_dir import RunDir
 
 ONE_RANK = ("launcher.nproc_per_node=1", "trainer.max_steps=2", "checkpoint.every=1")
 # Refused by the rank, after Hydra made the run dir and the record was written.
-REFUSED_BY_THE_RANK = ("data=synthetic", "data.train_size=16", "data.val_size=4")
+# A model whose output is no reconstruction: only the rank that builds it can tell.
+REFUSED_BY_THE_RANK = ("task=autoencoder",)
 
 
 def files_of(folder: Path) -> dict[Path, bytes]:
@@ -42,7 +44,7 @@ def test_a_refused_start_removes_its_own_dir_but_not_the_users_empty_folder_abov
     parent = tmp_path / "experiments"  # the user's, empty
     parent.mkdir()
     result = cli(*ONE_RANK, *REFUSED_BY_THE_RANK, f"hydra.run.dir={parent}/a/b", cwd=tmp_path)
-    assert result.returncode == 2 and "smaller than one global batch" in result.stderr
+    assert result.returncode == 2 and "must have its inputs' shape" in result.stderr
     assert parent.is_dir() and list(parent.iterdir()) == []  # a/ and a/b/ were Hydra's
 
 
@@ -116,3 +118,110 @@ def test_a_resume_with_another_optimizer_is_one_line_and_leaves_nothing_in_the_w
         cwd=tmp_path,
     )
     assert fixed.returncode == 0, fixed.stderr[-2000:]
+
+
+# --- the run dir as a class: where it really is, who holds it, what a logger may name ---------
+@pytest.mark.slow
+def test_a_run_dir_that_climbs_into_a_users_folder_is_judged_where_it_really_is(cli, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my: notes\n")
+    before = files_of(mine)
+    result = cli(*ONE_RANK, f"hydra.run.dir={tmp_path}/new/../mine", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"hydra.run.dir={mine} holds files that are not a run's (config.yaml)" in result.stderr
+    assert files_of(mine) == before and not (tmp_path / "new").exists()
+
+
+@pytest.mark.slow
+def test_a_folder_name_too_long_is_one_line_and_leaves_no_dir(cli, tmp_path):
+    result = cli(*ONE_RANK, f"hydra.run.dir={tmp_path}/runs/{'x' * 300}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "is longer than the 255 bytes allowed" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", ".lock", "train.log"])
+def test_a_loggers_file_may_not_replace_the_runs_own(cli, tmp_path, name):
+    result = cli(*ONE_RANK, "logger=csv", f"logger.csv.filename={name}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"logger.csv.filename={name} is a file the run writes itself" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_sweep_dir_holding_a_users_files_or_another_sweep_is_refused(cli, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "summary.csv").write_text("my,table\n")
+    result = cli("-m", *ONE_RANK, "optimizer.lr=0.1,0.05", f"hydra.sweep.dir={mine}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"hydra.sweep.dir={mine} holds files that are not a sweep's" in result.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["summary.csv"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "multirun.yaml").write_text("hydra:\n  overrides:\n    task: [optimizer.lr=0.2]\n")
+    (other / "summary.csv").write_text("job,status\n0,completed\n")
+    before = files_of(other)
+    result = cli("-m", *ONE_RANK, "optimizer.lr=0.1,0.05", f"hydra.sweep.dir={other}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "holds another sweep (optimizer.lr=0.2)" in result.stderr
+    assert files_of(other) == before
+
+
+@pytest.mark.slow
+def test_two_runs_started_at_once_on_one_new_dir(tmp_path):
+    """One runs; the other is told the dir is in use, in one line, and nothing of the first is
+    removed (it used to vanish, and the first to crash)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import DIST_ENV_VARS
+
+    run_dir = tmp_path / "new" / "run"
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    argv = [sys.executable, "-m", "framework.cli", *ONE_RANK, f"hydra.run.dir={run_dir}"]
+    starts = [
+        subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    ended = sorted((p.wait(timeout=600), p.stderr.read()) for p in starts)
+    (first, first_err), (second, second_err) = ended
+    assert first == 0, first_err[-3000:]
+    assert second == 2, second_err[-3000:]
+    assert "is in use by another run" in second_err and "Traceback" not in second_err
+    assert (run_dir / "summary.json").exists() and (run_dir / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_is_continued_by_the_same_command(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    command = (*ONE_RANK, "checkpoint.every=0")
+    (run_dir / ".hydra").mkdir(parents=True)  # what a kill leaves: the record, some metrics
+    # Hydra's record of the command: its task overrides (hydra.* keys are recorded apart)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(
+        "".join(f"- {override}\n" for override in command)
+    )
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.3}\n')
+    (run_dir / ".lock").write_text("pid 1 on a killed host\n")
+    result = cli(*command, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dropped; they are re-run" in result.stderr
+    assert (run_dir / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_a_model_too_large_for_memory_is_one_line_and_leaves_no_run_dir(cli, tmp_path):
+    # 10**13 channels: a first layer of 3.6e14 bytes, more than any machine's address space
+    result = cli(*ONE_RANK, "model.width=10000000000000", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: model: framework.components.models.SmallCNN is too large for the cpu memory of "
+        "this machine: it asked for 360000.0 GB at once; make it smaller (its largest setting "
+        "is model.width=10000000000000)"
+    ]
+    assert list(tmp_path.iterdir()) == []

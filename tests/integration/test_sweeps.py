@@ -108,7 +108,7 @@ def test_a_sweep_runs_each_job_as_a_ddp_group_in_its_own_dir_with_a_summary_and_
 
 
 def test_a_failed_job_is_reported_in_the_summary_and_the_sweep_goes_on(cli, tmp_path):
-    # Job 0 asks for a global batch larger than the data set (its ranks refuse it); job 1 runs.
+    # Job 0 asks for a global batch larger than the data set (refused); job 1 runs.
     result = cli("-m", "data.batch_size=4096,16", *TINY_CLI, cwd=tmp_path, timeout=240)
     assert result.returncode == 1
     assert "smaller than one global batch" in result.stderr

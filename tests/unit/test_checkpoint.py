@@ -336,3 +336,47 @@ def test_a_new_top_k_checkpoint_is_logged_as_the_best_only_when_it_is(tmp_path, 
     )
     assert "best checkpoint" not in lines[2]
     assert (tmp_path / "best.pt").resolve().name == "step_00000020.pt"
+
+
+def _archive_cut_short(path: Path) -> bytes:
+    torch.save({"format": checkpoint.FORMAT, "x": torch.ones(64)}, path)
+    return path.read_bytes()[:300]
+
+
+NOT_CHECKPOINTS = {
+    "empty": (lambda path: b"", "the file is empty"),
+    "zeroed": (lambda path: bytes(2048), "it holds only zero bytes"),
+    "random": (lambda path: bytes(range(1, 256)) * 8, "neither a torch archive nor a pickle"),
+    "text": (
+        lambda path: b"hello, not a checkpoint\n" * 20,
+        "neither a torch archive nor a pickle",
+    ),
+    "bare pickle": (
+        lambda path: __import__("pickle").dumps({"step": 1}, protocol=4),
+        "it is a bare pickle, not a checkpoint",
+    ),
+    "cut archive": (_archive_cut_short, "its archive is truncated or corrupted"),
+}
+
+
+@pytest.mark.parametrize("kind", NOT_CHECKPOINTS)
+def test_a_file_named_like_a_checkpoint_that_is_none_says_what_it_is_in_our_words(tmp_path, kind):
+    """Not "pickled objects or code" (a random file is neither), nor torch's text about its
+    legacy formats cut mid-word."""
+    make, reason = NOT_CHECKPOINTS[kind]
+    path = tmp_path / "step_00000001.pt"
+    path.write_bytes(make(path))
+    with pytest.raises(CheckpointError) as refused:
+        read(path)
+    said = str(refused.value)
+    assert said == f"checkpoint {path} is unreadable: {said.split(': ', 1)[1]}"
+    assert reason in said and said.endswith("nothing in it was executed")
+    assert "pickled objects" not in said and "weights_only" not in said
+
+
+def test_a_long_cause_is_cut_at_a_word():
+    from framework.core.exits import first_line
+
+    said = first_line(RuntimeError("Cannot use weights_only with files saved in the legacy"), 30)
+    assert said == "Cannot use weights_only with ..."
+    assert first_line(RuntimeError("short"), 30) == "short"

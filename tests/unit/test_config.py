@@ -123,7 +123,10 @@ def test_composition_errors_name_the_key(override, expected):
 
 
 def test_oversubscribe_insists_on_more_ranks_than_the_machine_holds():
-    validate(make_cfg("launcher.nproc_per_node=1000", "launcher.oversubscribe=true"))
+    # (one sample per rank and batch: the 1,438 training images hold a global batch of 1000)
+    validate(
+        make_cfg("launcher.nproc_per_node=1000", "launcher.oversubscribe=true", "data.batch_size=1")
+    )
 
 
 @pytest.mark.parametrize(

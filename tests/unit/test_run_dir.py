@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
+from framework.config import validate
 from framework.core.exits import ConfigError
 from framework.storage.run_dir import RunDir, is_throwaway, throwaway_dir
 from tests.conftest import make_cfg
@@ -334,3 +335,215 @@ def test_a_sweep_jobs_dir_holding_only_the_record_this_start_wrote_is_not_foreig
     other = tmp_path / "someone-elses"
     (other / ".hydra").mkdir(parents=True)
     assert RunDir(other).is_foreign()
+
+
+# --- the run dir as a class: never through a link, never another start's --------------------
+def test_a_planted_lock_link_is_refused_and_its_target_left_as_it_is(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").symlink_to(victim)
+    refused = pytest.raises(ConfigError, match=r"\.lock is a link: a run never writes through one")
+    with refused, RunDir(run_dir).held():
+        pass
+    assert victim.read_text() == "the user's file\n"
+    assert RunDir(run_dir).take_at_start() is False
+
+
+def test_a_planted_lock_hard_link_or_fifo_is_refused_and_its_target_left_as_it_is(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.link(victim, run_dir / ".lock")
+    with (
+        pytest.raises(ConfigError, match=r"\.lock is not a run's lock file"),
+        RunDir(run_dir).held(),
+    ):
+        pass
+    assert victim.read_text() == "the user's file\n"
+    (run_dir / ".lock").unlink()
+    os.mkfifo(run_dir / ".lock")
+    with (
+        pytest.raises(ConfigError, match=r"\.lock is not a run's lock file"),
+        RunDir(run_dir).held(),
+    ):
+        pass
+
+
+def test_another_tools_lock_file_makes_no_folder_a_run_dir_and_is_never_written(tmp_path):
+    (tmp_path / ".lock").write_text("held by my sync tool\n")
+    (tmp_path / "notes.txt").write_text("mine\n")
+    with pytest.raises(ConfigError, match=r"holds files that are not a run's \(\.lock, notes"):
+        RunDir(tmp_path).check_reusable(composed(), sweep_job=False)
+    (tmp_path / "notes.txt").unlink()
+    with pytest.raises(ConfigError, match="not a run's lock file"), RunDir(tmp_path).held():
+        pass
+    assert (tmp_path / ".lock").read_text() == "held by my sync tool\n"
+
+
+def test_a_runs_own_lock_is_taken_again_by_the_next_start(tmp_path):
+    with RunDir(tmp_path).held():
+        assert "pid" in (tmp_path / ".lock").read_text()
+    with RunDir(tmp_path).held():  # the file an earlier run left is no obstacle
+        pass
+
+
+@pytest.mark.parametrize(
+    "name", ["metrics.jsonl", "train.log", "config.yaml", ".hydra", "metrics.csv", "wandb"]
+)
+def test_a_run_dir_holding_a_link_where_the_run_writes_is_refused(tmp_path, name):
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_00000001.pt").write_bytes(b"")
+    (tmp_path / "run" / name).symlink_to(tmp_path / "victim")
+    with pytest.raises(ConfigError, match=f"holds a link where a run writes its files \\({name}"):
+        RunDir(tmp_path / "run").check_reusable(composed(), sweep_job=False)
+
+
+def test_a_link_in_the_runs_record_is_refused_before_the_record_is_written(tmp_path):
+    (tmp_path / "victim.yaml").write_text("mine\n")
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / ".hydra" / "overrides.yaml").symlink_to(tmp_path / "victim.yaml")
+    assert RunDir(run_dir).links() == [".hydra/overrides.yaml"]
+    with pytest.raises(ConfigError, match=r"holds a link where a run writes its files \(\.hydra/"):
+        RunDir(run_dir).check_reusable(composed(), sweep_job=False)
+    assert (tmp_path / "victim.yaml").read_text() == "mine\n"
+
+
+def test_an_atomic_write_never_writes_through_a_link_planted_as_its_temporary_file(tmp_path):
+    from framework.storage.files import atomic_write
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine\n")
+    target = tmp_path / "run" / "summary.json"
+    target.parent.mkdir()
+    (target.parent / f".summary.json.tmp-{os.getpid()}").symlink_to(victim)
+    atomic_write(target, lambda file: file.write(b"{}"))
+    assert target.read_text() == "{}" and not target.is_symlink()
+    assert victim.read_text() == "mine\n"
+
+
+def hold_in_another_process(run_dir: Path):
+    """Another `train`'s lock on run_dir (flock is per process here), until it is killed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, b'pid other')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(run_dir / ".lock")], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_start_refused_because_another_holds_the_dir_removes_nothing(tmp_path):
+    """Two starts on one new dir at the same moment: both saw it missing, both think they made
+    it; the one that lost the lock must leave the other's dir alone."""
+    run_dir = tmp_path / "outputs" / "new"
+    loser = RunDir(run_dir)
+    loser.note_missing_folders()
+    run_dir.mkdir(parents=True)
+    loser.note_start()  # empty: it would count the dir as its own
+    holder = hold_in_another_process(run_dir)
+    try:
+        (run_dir / "config.yaml").write_text("the winner's\n")
+        assert loser.take_at_start() is False
+        with pytest.raises(ConfigError, match="is in use by another run"), loser.held(adopt=True):
+            pass
+        loser.discard()
+        assert (run_dir / "config.yaml").read_text() == "the winner's\n"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_continued_by_the_same_command(tmp_path):
+    run = RunDir(tmp_path)
+    run.metrics.write_text('{"step": 3}\n')
+    run.record.mkdir()
+    (run.record / "overrides.yaml").write_text("- trainer.max_steps=9\n")
+    run.check_reusable(composed(), sweep_job=False, overrides=["trainer.max_steps=9"])
+    with pytest.raises(ConfigError, match="already holds a run with no checkpoint"):
+        run.check_reusable(composed(), sweep_job=False, overrides=["trainer.max_steps=8"])
+    run.summary.write_text("{}\n")  # a finished run is never started over
+    with pytest.raises(ConfigError, match="already holds a run with no checkpoint"):
+        run.check_reusable(composed(), sweep_job=False, overrides=["trainer.max_steps=9"])
+
+
+def test_a_folder_name_longer_than_the_file_system_allows_cannot_be_created(tmp_path):
+    from framework.storage.run_dir import creation_problem
+
+    problem = creation_problem(tmp_path / ("x" * 300) / "run")
+    assert problem is not None and "is longer than the 255 bytes allowed" in problem
+    assert creation_problem(tmp_path / "fine" / "run") is None
+
+
+def runs_own_names() -> list[str]:
+    """Every name the run writes in its dir: RunDir's files and the loggers' and the ranks'
+    folders (RUN_DIR_NAMES), and a temporary file of an atomic write."""
+    from framework.config.validation import RUN_DIR_NAMES
+
+    run = RunDir(Path("run"))
+    files = [
+        getattr(run, name).name
+        for name in dir(RunDir)
+        if isinstance(getattr(RunDir, name), property) and name != "path"
+    ]
+    assert {".lock", ".hydra", "metrics.jsonl", "summary.json"} <= set(files)
+    return sorted({*files, *RUN_DIR_NAMES, ".metrics.jsonl.tmp-1"})
+
+
+def logger_file_options() -> list[tuple[str, str]]:
+    """(logger, key) of every shipped logger's setting that names a file or folder."""
+    from framework.config import CONF_DIR
+
+    found = []
+    for option in sorted((CONF_DIR / "logger").glob("*.yaml")):
+        node = OmegaConf.load(option).get(option.stem) or {}
+        found += [
+            (option.stem, str(key))
+            for key in node
+            if any(part in str(key) for part in ("file", "path", "dir"))
+        ]
+    assert ("csv", "filename") in found
+    return found
+
+
+@pytest.mark.parametrize(("logger", "key"), logger_file_options())
+def test_no_loggers_file_may_take_a_name_the_run_writes_itself(logger, key):
+    for name in runs_own_names():
+        with pytest.raises(ConfigError) as refused:
+            validate(make_cfg(f"logger={logger}", f"logger.{logger}.{key}={name}"))
+        assert f"logger.{logger}.{key}={name} is a file the run writes itself" in str(refused.value)
+    validate(make_cfg(f"logger={logger}", f"logger.{logger}.{key}=my_{logger}_log"))
+
+
+def test_an_allocation_that_fails_while_the_model_is_built_is_a_config_mistake():
+    import torch
+
+    from framework.rank.build import refused_if_too_large
+
+    model = OmegaConf.create({"_target_": "my.Model", "width": 10**15, "depth": 2, "bias": True})
+    with pytest.raises(ConfigError) as refused, refused_if_too_large(model, torch.device("cpu")):
+        torch.empty(10**15)  # 4e15 bytes: no allocator gives it
+    assert str(refused.value) == (
+        "model: my.Model is too large for the cpu memory of this machine: it asked for "
+        "4000000.0 GB at once; make it smaller (its largest setting is model.width="
+        "1000000000000000)"
+    )
+    with (
+        pytest.raises(ValueError, match="not memory"),
+        refused_if_too_large(model, torch.device("cpu")),
+    ):
+        raise ValueError("not memory")

@@ -129,6 +129,26 @@ def test_pretrained_weights_are_refused_by_argument():
         check_targets(cfg, SHIPPED_TARGETS)
 
 
+@pytest.mark.parametrize("argument", ["pretrained", "pretrained_backbone"])
+def test_torchvisions_older_pretrained_flag_is_refused_too(argument):
+    cfg = make_cfg(f"+model.backbone={{_target_:torchvision.models.resnet18,{argument}:true}}")
+    with pytest.raises(ConfigError, match=rf"model.backbone.{argument}=True is not allowed"):
+        check_targets(cfg, SHIPPED_TARGETS)
+    check_targets(
+        make_cfg("+model.backbone={_target_:torchvision.models.resnet18,pretrained:false}"),
+        SHIPPED_TARGETS,
+    )
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["torchvision.transforms.v2.RandomCrop", "torchvision.transforms.v2.Normalize"],
+)
+def test_a_documented_family_name_defined_in_its_private_module_is_allowed(target):
+    assert target_problem(target, shipped=SHIPPED_TARGETS) is None
+    assert target_problem(target, shipped=SHIPPED_TARGETS, by_import=True) is None
+
+
 @pytest.mark.parametrize(
     ("entry", "expected"),
     [
@@ -146,8 +166,29 @@ def test_allowed_targets_trusts_only_your_own_code(entry, expected):
         trusted_prefixes({"allowed_targets": [entry]})
 
 
-def test_allowed_targets_trusts_a_module_of_this_checkout():
+@pytest.mark.parametrize("entry", ["benchmarks", "tests", "tests.integration", "launchers"])
+def test_allowed_targets_never_trusts_this_repositorys_own_packages(entry, monkeypatch):
+    monkeypatch.delenv("FRAMEWORK_TRUSTED_PACKAGES", raising=False)
+    with pytest.raises(ConfigError, match=f"allowed_targets entry '{entry}' is refused"):
+        trusted_prefixes({"allowed_targets": [entry]})
+
+
+def test_benchmarks_cannot_be_trusted_to_start_a_subprocess(tmp_path, monkeypatch):
+    monkeypatch.delenv("FRAMEWORK_TRUSTED_PACKAGES", raising=False)
+    write_yaml(
+        tmp_path / "experiment" / "bench.yaml",
+        "# @package _global_\nallowed_targets: [benchmarks]\nmodel:\n  sh:\n"
+        "    _target_: benchmarks.comm.sh\n",
+    )
+    with pytest.raises(ConfigError, match="allowed_targets entry 'benchmarks' is refused"):
+        check_composed_hydra_node(["-cd", str(tmp_path), "experiment=bench"], app=True)
+
+
+def test_the_environment_may_trust_this_checkouts_tests(monkeypatch):
+    monkeypatch.setenv("FRAMEWORK_TRUSTED_PACKAGES", "tests")
     assert trusted_prefixes({"allowed_targets": ["tests.integration"]}) == ("tests.integration",)
+    with pytest.raises(ConfigError, match="'benchmarks' is refused"):
+        trusted_prefixes({"allowed_targets": ["benchmarks"]})
 
 
 def test_check_targets_names_the_key_the_target_and_the_fix():

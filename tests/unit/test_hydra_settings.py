@@ -1,0 +1,332 @@
+"""Hydra's own node is closed as a class (framework/core/hydra_settings.py,
+framework/app/hydra_reference.py): every key keeps what the framework ships except a short
+positive list, whichever door a config uses (a file, an override, an interpolation, a sweep
+parameter, the run mode), and the listed keys are judged resolved."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from omegaconf import OmegaConf
+
+from framework.app.hydra_node_check import check_composed_hydra_node, run_mode, search_path
+from framework.app.hydra_reference import shipped_node
+from framework.config.registry import register_configs
+from framework.core.allowlist import check_command_line, parsed_arguments
+from framework.core.exits import ConfigError
+from framework.core.hydra_settings import settable
+
+REFUSED = "Hydra's node keeps what the framework ships"
+
+
+def write(root: Path, name: str, text: str) -> Path:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def experiment(root: Path, body: str, name: str = "evil") -> list[str]:
+    write(root, f"experiment/{name}.yaml", "# @package _global_\n" + body)
+    return ["-cd", str(root), f"experiment={name}"]
+
+
+def refusal(argv: list[str]) -> str:
+    """What `train argv` refuses before Hydra starts (the command line, then the composed
+    node), as one message."""
+    with pytest.raises(ConfigError) as error:
+        check_command_line(argv)
+        check_composed_hydra_node(argv, app=True)
+    return str(error.value)
+
+
+# --- the broken cases, one by one -----------------------------------------------------------
+ENV_SET_OPEN = """hydra:
+  job:
+    env_set: {_target_: builtins.open, file: victim.txt, mode: w}
+  callbacks:
+    evil: ${hydra.job.env_set}
+"""
+ENV_SET_COPY = """hydra:
+  job:
+    env_set: {_target_: shutil.copyfile, src: evil.pth, dst: site-packages/evil.pth}
+  callbacks:
+    evil: ${hydra.job.env_set}
+"""
+LOG_FILE_CLIMBS = """hydra:
+  job:
+    env_set: {NAME: ../../../site-packages/evil.pth}
+  job_logging:
+    version: 1
+    formatters: {code: {format: 'import os; os.system("touch pwned")'}}
+    handlers:
+      f:
+        class: logging.FileHandler
+        formatter: code
+        filename: ${hydra.runtime.output_dir}/${hydra.job.env_set.NAME}
+    root: {handlers: [f]}
+"""
+EXT_IMPORT = """hydra:
+  job:
+    env_set: {STREAM: ext://antigravity.geohash}
+  hydra_logging:
+    handlers:
+      console:
+        stream: ${hydra.job.env_set.STREAM}
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (ENV_SET_OPEN, "hydra.job.env_set._target_ cannot be set"),
+        (ENV_SET_COPY, "hydra.job.env_set._target_ cannot be set"),
+        (LOG_FILE_CLIMBS, "hydra.job.env_set.NAME cannot be set"),
+        (EXT_IMPORT, "hydra.hydra_logging.handlers.console.stream cannot be set"),
+    ],
+    ids=["open-through-env_set", "copyfile-through-env_set", "log-file-climbs", "ext"],
+)
+def test_an_interpolation_into_hydras_node_is_judged_resolved(tmp_path, body, expected):
+    message = refusal(experiment(tmp_path, body))
+    assert expected in message and "\n" not in message
+
+
+def test_a_callback_reached_through_an_interpolation_is_judged_by_what_it_resolves_to(tmp_path):
+    body = "data:\n  evil: {_target_: builtins.open, file: victim.txt, mode: w}\n"
+    body += "hydra:\n  callbacks:\n    evil: ${data.evil}\n"
+    message = refusal(experiment(tmp_path, body))
+    assert "hydra.callbacks.evil._target_=builtins.open is not allowed here" in message
+
+
+def test_hydra_mode_multirun_on_the_command_line_checks_every_swept_experiment(tmp_path):
+    write(tmp_path, "experiment/fine.yaml", "# @package _global_\ntrainer:\n  max_steps: 2\n")
+    experiment(tmp_path, "hydra:\n  callbacks:\n    evil:\n      _target_: builtins.open\n")
+    argv = ["-cd", str(tmp_path), "hydra.mode=MULTIRUN", "experiment=fine,evil"]
+    assert "hydra.callbacks.evil._target_=builtins.open" in refusal(argv)
+
+
+def test_a_mode_set_in_a_file_is_the_mode_checked(tmp_path):
+    write(tmp_path, "experiment/fine.yaml", "# @package _global_\ntrainer:\n  max_steps: 2\n")
+    body = "hydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      +extra: fine,evil\n"
+    write(tmp_path, "extra/fine.yaml", "# @package _global_\n{}\n")
+    write(
+        tmp_path,
+        "extra/evil.yaml",
+        "# @package _global_\nhydra:\n  job_logging:\n    root:\n      level: DEBUG\n",
+    )
+    assert "hydra.job_logging.root cannot be set" in refusal(experiment(tmp_path, body))
+
+
+def test_sweeper_params_cannot_add_logging_handlers(tmp_path):
+    body = (
+        "hydra:\n  sweeper:\n    params:\n      +hydra.job_logging.handlers.f: "
+        "'{class:logging.FileHandler,filename:/tmp/x.pth}'\n"
+    )
+    assert "hydra.job_logging.handlers.f cannot be set" in refusal(experiment(tmp_path, body))
+
+
+@pytest.mark.parametrize(
+    "variable", ["TORCH_HOME", "WANDB_DIR", "MLFLOW_TRACKING_URI", "LD_PRELOAD", "PYTHONPATH"]
+)
+def test_env_set_may_not_move_files_or_load_code(tmp_path, variable):
+    line = f"+hydra.job.env_set.{variable}=sqlite:////elsewhere/x.db"
+    assert f"hydra.job.env_set.{variable} cannot be set" in refusal([line])
+    body = f"hydra:\n  job:\n    env_set:\n      {variable}: /home/colleague/cache\n"
+    assert f"hydra.job.env_set.{variable} cannot be set" in refusal(experiment(tmp_path, body))
+
+
+def test_env_set_of_a_harmless_variable_passes():
+    check_command_line(["+hydra.job.env_set.OMP_NUM_THREADS=1"])
+    check_composed_hydra_node(["+hydra.job.env_set.OMP_NUM_THREADS=1"], app=True)
+
+
+@pytest.mark.parametrize("subdir", ["../../mine", "/tmp/mine", "..", "a/../../b"])
+def test_the_records_folder_stays_in_the_run_dir(subdir):
+    argv = [f"hydra.callbacks.validate.output_subdir={subdir}"]
+    assert "must be a folder name inside the run dir" in refusal(argv)
+
+
+@pytest.mark.parametrize("subdir", ["..", "../other", "/tmp/x"])
+def test_a_sweep_jobs_dir_stays_in_the_sweep_dir(subdir):
+    assert "must name a folder inside hydra.sweep.dir" in refusal([f"hydra.sweep.subdir={subdir}"])
+
+
+def test_a_searchpath_entry_may_not_import_a_package():
+    assert "pkg:// would import" in refusal(["hydra.searchpath=[pkg://antigravity]"])
+
+
+def test_launcher_setup_lines_and_file_options_are_refused():
+    assert "hydra.launcher.setup cannot be set" in refusal(
+        ["launcher=slurm", "hydra.launcher.setup=[touch pwned]"]
+    )
+    output = ["launcher=slurm", "+hydra.launcher.additional_parameters.output=/root/.bashrc"]
+    assert "additional_parameters.output cannot be set" in refusal(output)
+
+
+def test_a_user_option_of_a_hydra_group_is_refused(tmp_path):
+    write(tmp_path, "hydra/job_logging/mine.yaml", "version: 1\nroot: {level: DEBUG}\n")
+    argv = ["-cd", str(tmp_path), "hydra/job_logging=mine"]
+    assert "hydra/job_logging=mine is not an option that Hydra" in refusal(argv)
+
+
+def test_a_config_file_cannot_write_hydras_record_of_the_overrides(tmp_path):
+    body = "hydra:\n  overrides:\n    task: ['+hydra.callbacks.e._target_=builtins.open']\n"
+    assert "hydra.overrides cannot be set" in refusal(experiment(tmp_path, body))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["hydra.run.dir=outputs/x", "hydra.job.env_set={OMP_NUM_THREADS:1}"],
+        ["-m", "optimizer.lr=0.1,0.05", "hydra.sweep.dir=multirun/x", "hydra.sweep.subdir=j"],
+        ["launcher=slurm", "+hydra.launcher.additional_parameters.mail-type=END"],
+        ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0"],
+        ["hydra/job_logging=default"],
+        ["hydra.callbacks.validate.output_subdir=record"],
+        ["+hydra.callbacks.log._target_=hydra.experimental.callbacks.LogJobReturnCallback"],
+        ["experiment=char_gpt"],
+    ],
+)
+def test_the_settable_keys_and_shipped_options_pass(argv):
+    check_command_line(argv)
+    check_composed_hydra_node(argv)
+
+
+def test_a_run_dir_from_a_file_with_an_interpolation_passes(tmp_path):
+    body = "hydra:\n  run:\n    dir: outputs/${optimizer.lr}/${now:%H}\n"
+    check_composed_hydra_node(experiment(tmp_path, body, "mine"))
+
+
+# --- the class: every key of the shipped node, through every door ----------------------------
+# The shipped node of each family of Hydra's options (launchers, sweepers, logging).
+CONTEXTS = ([], ["launcher=slurm"], ["hydra/sweeper=optuna"], ["hydra/job_logging=default"])
+SKIPPED = (
+    "hydra.overrides",
+    "hydra.runtime",
+    "hydra.job.override_dirname",
+    "hydra.job.config_name",
+)
+
+
+def shipped_leaves() -> list[tuple[list[str], str, Any]]:
+    """(options picked, path, shipped value) of every leaf of the shipped node that is not
+    settable, once each, with the first options that bring it in."""
+    register_configs()
+    found: dict[str, tuple[list[str], Any]] = {}
+
+    def walk(value: Any, path: str, context: list[str], cfg: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(item, f"{path}.{key}", context, cfg)
+        elif not path.startswith(SKIPPED) and not settable(path):
+            # (an interpolation's value where it resolves: a sample of the key's type)
+            sample = OmegaConf.select(cfg, path, throw_on_resolution_failure=False)
+            typed = value if sample is None or isinstance(value, dict | list) else sample
+            found.setdefault(path, (context, typed))
+
+    for context in CONTEXTS:
+        args = parsed_arguments(context)
+        loader = ConfigLoaderImpl(config_search_path=search_path(args))
+        cfg = loader.load_configuration("config", context, run_mode=run_mode(loader, args)[0])
+        walk(shipped_node(dict(cfg.hydra.runtime.choices)), "hydra", context, cfg)
+    return [(context, path, value) for path, (context, value) in found.items()]
+
+
+LEAVES = shipped_leaves()
+# Values of the type Hydra's schema gives these keys (another type: Hydra refuses it itself).
+TYPED = {
+    "hydra.job.chdir": True,
+    "hydra.output_subdir": "record",
+    "hydra.launcher.setup": ["touch pwned"],
+    "hydra.sweeper.storage": "sqlite:///elsewhere.db",
+}
+
+
+def changed(value: Any) -> Any:
+    """Another value of the same type, so Hydra's own schema does not refuse it first."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    if isinstance(value, list):
+        return [*value, "x"]
+    if isinstance(value, dict):
+        return {"x": "y"}
+    if value in ("RUN", "MULTIRUN"):
+        return "MULTIRUN"
+    return (
+        f"{value}x" if isinstance(value, str) and "${" not in value and "\n" not in value else "x"
+    )
+
+
+def yaml_value(value: Any) -> str:
+    return OmegaConf.to_yaml({"v": value}).strip().removeprefix("v:").strip()
+
+
+def nested(path: str, value: str) -> str:
+    """`a.b.c`, value: YAML text that sets a.b.c (under the experiment's global package)."""
+    keys = path.split(".")
+    lines = [f"{'  ' * depth}{key}:" for depth, key in enumerate(keys[:-1])]
+    return "\n".join([*lines, f"{'  ' * (len(keys) - 1)}{keys[-1]}: {value}"]) + "\n"
+
+
+def composes(argv: list[str]) -> bool:
+    """Whether Hydra itself composes argv (else it refuses it, running nothing)."""
+    args = parsed_arguments(argv)
+    if args is None:
+        return False
+    loader = ConfigLoaderImpl(config_search_path=search_path(args))
+    mode, overrides = run_mode(loader, args)
+    try:
+        loader.load_configuration("config", overrides, run_mode=mode)
+    except Exception:  # noqa: BLE001 (Hydra's refusal, of any kind)
+        return False
+    return True
+
+
+def refused_before_hydra_calls_anything(argv: list[str]) -> bool:
+    try:
+        check_command_line(argv)
+        check_composed_hydra_node(argv)
+    except ConfigError:
+        return True
+    return not composes(argv)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("context", "path", "value"), LEAVES, ids=[p for _, p, _ in LEAVES])
+def test_every_other_key_of_hydras_node_is_refused_through_every_door(
+    tmp_path, context, path, value
+):
+    new = yaml_value(TYPED.get(path, changed(value)))
+    doors = {
+        "a config file": experiment(tmp_path / "file", nested(path, new)),
+        "an override": [f"{path}={new}" if "." in path else f"+{path}={new}"],
+        # (data's node takes keys of a user's loader: a place a file may put anything)
+        "an interpolation": experiment(
+            tmp_path / "interpolation", f"data:\n  gadget: {new}\n" + nested(path, "${data.gadget}")
+        ),
+        "a sweep parameter": [
+            "-m",
+            *experiment(
+                tmp_path / "sweep", nested("hydra.sweeper.params", f"'{path}': '{new}'"), "sweep"
+            ),
+        ],
+    }
+    let_through = [
+        door for door, argv in doors.items() if not refused_before_hydra_calls_anything(argv)
+    ]
+    assert let_through == []
+
+
+def test_the_generator_covers_the_code_nodes():
+    paths = [path for _, path, _ in LEAVES]
+    for prefix in ("hydra.job_logging", "hydra.hydra_logging", "hydra.launcher", "hydra.sweeper"):
+        assert any(path.startswith(prefix) for path in paths), prefix
+    assert "hydra.callbacks.validate._target_" in paths
+    assert "hydra.job.env_set" not in paths and re.search("env_copy", " ".join(paths))
