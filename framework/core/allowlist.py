@@ -59,6 +59,10 @@ DENIED_TARGETS = (
     "torchvision.models.get_model",
     "torchvision.models.get_weight",
     "torchvision.models.get_model_weights",
+    # The base of every *_Weights enum (public in torchvision.models, defined in its private
+    # _api): its members' get_state_dict downloads and unpickles.
+    "torchvision.models.WeightsEnum",
+    "torchvision.models.Weights",
 )
 # Pretrained weights: torchvision downloads them into torch hub's cache and unpickles whatever
 # file it finds there (without a hash check once cached). Load weights in your own code.
