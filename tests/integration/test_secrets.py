@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 
 from framework.core.exits import ExitCode
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
 TINY_RUN = (
+    f"hydra.searchpath=[file://{REPO / 'tests' / 'conf'}]",
     "launcher.nproc_per_node=1",
     "trainer.max_steps=2",
     "trainer.log_every=1",
-    "data=synthetic",
+    "data=user_settings",
     "data.train_size=32",
     "data.val_size=16",
     "data.in_channels=1",

@@ -9,12 +9,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.config.redaction import REDACTED
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 TINY_RUN = (
+    f"hydra.searchpath=[file://{REPO / 'tests' / 'conf'}]",
     "launcher.nproc_per_node=1",
     "trainer.max_steps=3",
-    "data=synthetic",
+    "data=user_settings",
     "data.train_size=64",
     "data.val_size=32",
     "data.in_channels=1",
@@ -22,7 +24,6 @@ TINY_RUN = (
 )
 TOKEN = "PLANTED-SECRET-123"  # a config key that looks like a secret, typed on the command line
 WANDB_KEY = "PLANTED-SECRET-456"  # the environment's WANDB_API_KEY
-ENV_SET_TOKEN = "PLANTED-SECRET-789"  # hydra.job.env_set.MY_TOKEN, a secret in Hydra's node
 
 # Each target would copy src.txt to `marker` or create it (paths relative to the run's cwd).
 REFUSED = [
@@ -169,8 +170,8 @@ def test_a_multirun_writes_no_secret_either(cli, tmp_path):
     experiment = tmp_path / "conf" / "experiment" / "mirror.yaml"
     experiment.parent.mkdir(parents=True)
     experiment.write_text(
-        "# @package _global_\nhydra:\n  job:\n    env_set:\n"
-        f"      DATA_MIRROR: https://amy:{FILE_URL_PASSWORD}@example.org/x\n"
+        "# @package _global_\ndata:\n"
+        f"  file_mirror: https://amy:{FILE_URL_PASSWORD}@example.org/x\n"
     )
     result = cli(
         "-m",
@@ -178,8 +179,6 @@ def test_a_multirun_writes_no_secret_either(cli, tmp_path):
         "conf",
         "experiment=mirror",
         f"+data.api_token={TOKEN}",
-        f"+hydra.job.env_set.MY_TOKEN={ENV_SET_TOKEN}",
-        f"+hydra.job.env_set.HF_TOKEN={ENV_SET_TOKEN}",
         f"+data.mirror=https://bob:{URL_PASSWORD}@example.com/data",
         "optimizer.lr=0.1,0.05",
         *TINY_RUN,
@@ -193,14 +192,10 @@ def test_a_multirun_writes_no_secret_either(cli, tmp_path):
     [sweep_dir] = tmp_path.glob("multirun/*/*")
     assert (sweep_dir / "multirun.yaml").exists() and (sweep_dir / "0" / "summary.json").exists()
     assert OmegaConf.load(sweep_dir / "multirun.yaml").data.api_token == REDACTED
-    hydra_record = OmegaConf.load(sweep_dir / "0" / ".hydra" / "hydra.yaml")
-    assert hydra_record.hydra.job.env_set.MY_TOKEN == REDACTED
     job_config = OmegaConf.load(sweep_dir / "1" / "config.yaml")
     assert job_config.data.mirror == f"https://bob:{REDACTED}@example.com/data"
-    job_record = OmegaConf.load(sweep_dir / "1" / ".hydra" / "hydra.yaml")
-    mirror = job_record.hydra.job.env_set["DATA_MIRROR"]
-    assert mirror == f"https://amy:{REDACTED}@example.org/x"
-    secrets = [TOKEN, WANDB_KEY, ENV_SET_TOKEN, URL_PASSWORD, ENV_URL_PASSWORD, FILE_URL_PASSWORD]
+    assert job_config.data.file_mirror == f"https://amy:{REDACTED}@example.org/x"
+    secrets = [TOKEN, WANDB_KEY, URL_PASSWORD, ENV_URL_PASSWORD, FILE_URL_PASSWORD]
     for secret in secrets:
         assert secret not in result.stdout + result.stderr
     assert files_holding(tmp_path, secrets) == [Path("conf/experiment/mirror.yaml")]  # the source

@@ -223,6 +223,7 @@ def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_ru
         *FAULTS,
         *LOGGERS,
         f"hydra.run.dir={tmp_path / 'run'}",
+        "data._target_=tests.user_data.synthetic_with_settings",  # a user's loader, with a token
         "+data.api_token=PLANTED-SECRET-1",
     )
     fault = {FAULT_ENV: "parent-SIGTERM:0:9", "MLFLOW_TRACKING_URI": store}
