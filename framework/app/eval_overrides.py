@@ -4,7 +4,8 @@ or an evaluation never needs its training command typed again.
 - mode=eval of a checkpoint: what decides which examples and weights it is evaluated on (the
   experiment, task, model, data and precision overrides, and EMA) comes from the training run.
 - A resume, from the run dir (`hydra.run.dir=<a run dir>`, a sweep's job dir too) or from a
-  checkpoint (`checkpoint.resume=<file>`): every override the run was started with.
+  checkpoint (`checkpoint.resume=<file>`): every override the run was started with but how its
+  ranks were started (launcher, dist, hydra).
 
 The command line may still set anything: an override of its own for a key the run set wins,
 and the checkpoint's settings are then compared with it (a resume refuses a change that alters
@@ -23,8 +24,9 @@ from framework.core.allowlist import matches_prefix, parse_overrides, parsed_arg
 
 # What the training run chose that decides the examples and the weights an evaluation sees.
 ADOPTED = ("experiment", "task", "model", "data", "precision", "trainer.ema_decay")
-# What a resume never takes from the record: it says what this command does.
-NOT_RESUMED = ("mode", "checkpoint.resume")
+# What a resume never takes from the record: what this command does, and how and where its
+# ranks start (a node joining another node's job in the same run dir is no resume of it).
+NOT_RESUMED = ("mode", "checkpoint.resume", "launcher", "dist", "hydra")
 RESUME_NOT_A_PATH = ("auto", "never", "last", "best")
 
 

@@ -70,3 +70,19 @@ def test_a_shipped_options_value_is_its_default():
     assert default_value("task.label_smoothing", settings) == "0.0"
     assert default_value("model.width", settings) == settings["model.width"]
     assert default_value("task.no_such_key", settings) is None
+
+
+def test_a_resume_takes_the_runs_settings_but_not_how_its_ranks_started(tmp_path):
+    """A node joining another node's job names the same run dir: it must not take that node's
+    launcher (rdzv_host=true would make it host a second store), dist or hydra settings."""
+    from framework.app.eval_overrides import with_training_overrides
+
+    record = tmp_path / ".hydra" / "overrides.yaml"
+    record.parent.mkdir()
+    record.write_text(
+        "- launcher=torchrun\n- launcher.rdzv_host=true\n- dist.timeout_s=10\n"
+        "- hydra.job.chdir=false\n- optimizer.lr=0.05\n"
+    )
+    argv, found, adopted = with_training_overrides([f"hydra.run.dir={tmp_path}"])
+    assert found == record and adopted == ["optimizer.lr=0.05"]
+    assert argv == ["optimizer.lr=0.05", f"hydra.run.dir={tmp_path}"]
