@@ -265,3 +265,17 @@ def fault_references(tmp_path_factory) -> dict[str, Path]:
     jobs = [(make_cfg(*FAULTS, *extra), root / name) for name, extra in FAULT_COMMS.items()]
     train_many(jobs)
     return {name: run_dir for name, (_, run_dir) in zip(FAULT_COMMS, jobs, strict=True)}
+
+
+# A GPT whose rows of 33 and 99 (width 33, 3 heads) do not split evenly over 2 ranks, so FSDP
+# pads them: the memory ledger's and FSDP's byte counts must see the padding.
+PADDED_GPT = (
+    "task=language_model",
+    "model=gpt",
+    "data=text",
+    "model.layers=2",
+    "model.width=33",
+    "model.heads=3",
+    "model.dropout=0.1",  # recomputed blocks must draw the same dropout masks
+    "data.block_size=16",
+)

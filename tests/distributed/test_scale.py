@@ -7,20 +7,12 @@ from __future__ import annotations
 import pytest
 
 from framework.rank.estimate import estimate_ledgers
-from tests.conftest import make_cfg, read_metrics, train_losses, train_many
+from tests.conftest import PADDED_GPT, make_cfg, read_metrics, train_losses, train_many
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-# width 33 (3 heads): rows of 33 and 99 do not split evenly over 2 ranks, so FSDP pads them.
 GPT = (
-    "task=language_model",
-    "model=gpt",
-    "data=text",
-    "model.layers=2",
-    "model.width=33",
-    "model.heads=3",
-    "model.dropout=0.1",  # recomputed blocks must draw the same dropout masks
-    "data.block_size=16",
+    *PADDED_GPT,
     "data.stride=16",
     "data.batch_size=2",
     "data.eval_batch_size=16",

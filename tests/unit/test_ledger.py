@@ -17,17 +17,10 @@ from framework.components.strategy import DDP
 from framework.components.tasks import first_batch
 from framework.core.exits import ConfigError
 from framework.rank.estimate import estimate_ledgers, shard_rows, world_size_of
-from tests.conftest import make_cfg
+from tests.conftest import PADDED_GPT, make_cfg
 
 GPT = (
-    "task=language_model",
-    "model=gpt",
-    "data=text",
-    "model.layers=2",
-    "model.width=33",
-    "model.heads=3",
-    "model.dropout=0.1",  # recomputed blocks must draw the same dropout masks
-    "data.block_size=16",
+    *PADDED_GPT,
     "data.batch_size=4",
     "optimizer=adamw",
 )
