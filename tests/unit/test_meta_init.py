@@ -101,7 +101,11 @@ class Rejection(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(4, 4))
-        nn.init.trunc_normal_(self.weight)  # rejection sampling: it reads the values it drew
+        # Rejection sampling written out: it reads the values it drew. (`nn.init.trunc_normal_`
+        # samples by rejection in newer torch but by the inverse CDF in torch 2.8.)
+        nn.init.normal_(self.weight)
+        while (self.weight.abs() > 2).any():
+            nn.init.normal_(self.weight)
 
 
 class Outer(nn.Module):
