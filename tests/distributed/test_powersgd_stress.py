@@ -26,7 +26,7 @@ def test_consecutive_resnet18_powersgd_runs_on_gloo_all_finish(tmp_path):
         "trainer.max_steps=12",
         "trainer.log_every=1",
         # No checkpoint: writing ResNet-18 and its momentum took a fifth of each run, and
-        # PowerSGD's saved state is test_comm's and the fault tests' (FAULT_COMMS).
+        # PowerSGD's saved state per rank is test_comm's and test_resume's to check.
         "checkpoint.final=false",
     )
     jobs = [(make_cfg(*overrides, f"trainer.seed={n}"), tmp_path / f"run{n}") for n in range(3)]
