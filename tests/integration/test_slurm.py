@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DIST_ENV_VARS, FAULTS, read_metrics, run_cli, train_losses
-from tests.faults import FAULT_ENV, assert_same_weights, final_weights
+from tests.conftest import DIST_ENV_VARS, FAULTS, read_metrics, train_losses
+from tests.faults import FAULT_ENV, GATE_ENV, assert_same_weights, final_weights
 from tests.integration.test_sweeps import TINY_CLI, summary_rows, sweep_dir
 
 
@@ -38,30 +38,49 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(MISSING is not None, reason=s
 SLURM = ("launcher=slurm", "launcher.tasks_per_node=2", "launcher.timeout_min=10")
 
 
-def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_with_the_losses_of_a_local_run(
-    cli, tmp_path
+def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_and_fails_a_job_out_of_time_outs(
+    tmp_path, fault_references
 ):
-    result = run_cli("-m", *SLURM, "optimizer.lr=0.1,0.05", *TINY_CLI, cwd=tmp_path, timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
-    sweep = sweep_dir(tmp_path)
+    """One SLURM array job of two elements, each two srun tasks. Job 0 trains as a local run
+    does. Job 1 (max_steps=40) holds at its step 31 until SIGUSR2 as before a time limit: with
+    launcher.max_num_timeout=0 it saves, submitit refuses to requeue, and the sweep reports it
+    failed instead of waiting, its checkpoint kept. (One sweep for both: every job start costs
+    a full import of the training stack.)"""
+    gate = tmp_path / "gate"
+    gate.touch()  # job 0 never reaches step 31, so only job 1 holds
+    env = {FAULT_ENV: "hold:0:31", GATE_ENV: str(gate)}
+    overrides = ("trainer.max_steps=30,40", "launcher.max_num_timeout=0")
+    with _sweep_in_background(tmp_path, *overrides, env=env) as (sweep_process, sweep):
+        _wait_for_step(sweep / "1", 30, sweep_process, timeout=300)
+        subprocess.run(
+            ["scancel", "--signal=USR2", f"{_array_id(sweep)}_1"], check=True, timeout=30
+        )
+        _, stderr = sweep_process.communicate(timeout=300)
+    assert sweep_process.returncode == 1, stderr[-3000:]
+    assert "timed-out too many times" in stderr and "Traceback" not in stderr
     rows = summary_rows(sweep)
-    assert [(row["job"], row["status"], row["optimizer.lr"]) for row in rows] == [
-        ("0", "completed", "0.1"),
-        ("1", "completed", "0.05"),
+    assert [(row["job"], row["status"], row["trainer.max_steps"]) for row in rows] == [
+        ("0", "completed", "30"),
+        ("1", "failed", "40"),
     ]
+    assert "stopped on SIGUSR2 at step" in rows[1]["error"]
+    assert (sweep / "1" / "checkpoints" / "last.pt").exists()
     # One SLURM array job (<id>_<element>), two tasks per element, each task one rank.
+    array_id = _array_id(sweep)
     logs = sorted(path.name for path in sweep.glob(".submitit/*/*_log.err"))
-    array_id = logs[0].split("_")[0]
     assert logs == [f"{array_id}_{job}_{task}_log.err" for job in (0, 1) for task in (0, 1)]
     for job in (0, 1):  # the second job waited in the queue for the first
         logged, since_task_start = _startup_of(sweep / ".submitit" / f"{array_id}_{job}")
         assert logged <= since_task_start + 2.0  # (the rank's log times are whole seconds)
 
-    local = tmp_path / "local"
-    reference = cli(*TINY_CLI, "optimizer.lr=0.1", f"hydra.run.dir={local}", cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    local = fault_references["allreduce"]  # the same experiment, run by the local launcher's ranks
     assert train_losses(sweep / "0") == train_losses(local)
     assert read_metrics(sweep / "0")[-1]["val/accuracy"] == read_metrics(local)[-1]["val/accuracy"]
+
+
+def _array_id(sweep: Path) -> str:
+    """The SLURM array job's id, from submitit's folders (<id>_<element>)."""
+    return sorted(sweep.glob(".submitit/*_0"))[0].name.removesuffix("_0")
 
 
 def _startup_of(task_logs: Path) -> tuple[float, float]:
@@ -177,21 +196,3 @@ def _resumed_steps(sweep: Path) -> list[int]:
         for line in _rank0_log(sweep).splitlines()
         if "resumed from" in line
     ]
-
-
-def test_a_job_out_of_time_outs_is_reported_failed_with_its_checkpoint_kept(tmp_path):
-    """launcher.max_num_timeout=0: the first SIGUSR2 (a time-out, for a 10-minute job) saves,
-    submitit refuses to requeue, and the sweep reports the job failed instead of waiting."""
-    env = {FAULT_ENV: "slow:0:1"}
-    with _sweep_in_background(tmp_path, "launcher.max_num_timeout=0", env=env) as (
-        sweep_process,
-        sweep,
-    ):
-        _wait_for_step(sweep / "0", 6, sweep_process, timeout=120)
-        subprocess.run(["scancel", "--signal=USR2", _job_id(sweep)], check=True, timeout=30)
-        _, stderr = sweep_process.communicate(timeout=300)
-    assert sweep_process.returncode == 1
-    assert "timed-out too many times" in stderr and "Traceback" not in stderr
-    [row] = summary_rows(sweep)
-    assert row["status"] == "failed" and "stopped on SIGUSR2 at step" in row["error"]
-    assert (sweep / "0" / "checkpoints" / "last.pt").exists()
