@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch.multiprocessing import ProcessExitedException
 
 from framework.core.exits import CheckpointError, SaveFailed
 from framework.core.launch_context import DistEnv
@@ -174,7 +175,8 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_valid(tmp_path):
         time.sleep(0.01)
     time.sleep(0.3)  # inside torch.save of 400 MB
     os.kill(process.pid, signal.SIGKILL)
-    process.join()
+    with pytest.raises(ProcessExitedException, match="terminated with signal SIGKILL"):
+        saver.join()  # (ended by the kill, not by finishing)
     assert not (run_dir / "step_00000002.pt").exists()
     assert any(p.name.startswith(".step_00000002.pt.tmp") for p in run_dir.iterdir())
     path, loaded = newest_valid(run_dir)
