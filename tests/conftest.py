@@ -183,18 +183,20 @@ def clean_distributed_env(monkeypatch):
         dist.destroy_process_group()
 
 
-def start_ranks(fn, args: tuple, nprocs: int = 2) -> None:
+def start_ranks(fn, args: tuple, nprocs: int = 2, join: bool = True):
     """fn(rank, *args) in nprocs processes, started the way `train` starts its ranks: forked
     from the fork server that has imported the training stack, with this process's environment
     and output streams.
-    Assertions inside fn fail the test (the child's traceback is re-raised here)."""
+    Assertions inside fn fail the test (the child's traceback is re-raised here). With
+    join=False, returns at once torch's ProcessContext (its .processes: to signal them)."""
     import torch.multiprocessing as mp
 
     forkserver.warm_up()
-    mp.start_processes(
+    return mp.start_processes(
         _as_launched,
         args=(*forkserver.launcher_context(), fn, args),
         nprocs=nprocs,
+        join=join,
         start_method=forkserver.START_METHOD,
     )
 

@@ -4,11 +4,13 @@ never written into, and two runs never share a run dir (framework/storage/run_di
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from framework.storage.run_dir import RunDir
+from tests.conftest import start_ranks
 
 ONE_RANK = ("launcher.nproc_per_node=1", "trainer.max_steps=2", "checkpoint.every=1")
 # Refused by the rank, after Hydra made the run dir and the record was written.
@@ -171,23 +173,38 @@ def test_a_sweep_dir_holding_a_users_files_or_another_sweep_is_refused(cli, tmp_
     assert files_of(other) == before
 
 
+def _train_as_a_user(rank: int, argv: list[str], cwd: Path, said: Path) -> None:
+    """`train argv` in cwd, as the console script runs it, in a process of its own: its
+    stderr into said/<rank>.err, its exit code into said/<rank>.code."""
+    from framework import train
+
+    os.chdir(cwd)
+    with open(said / f"{rank}.err", "w") as err:
+        os.dup2(err.fileno(), 2)
+    sys.argv = ["train", *argv]
+    code = 0
+    try:
+        train.main()
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    finally:
+        sys.stderr.flush()
+    (said / f"{rank}.code").write_text(str(code))
+
+
 @pytest.mark.slow
 def test_two_runs_started_at_once_on_one_new_dir(tmp_path):
     """One runs; the other is told the dir is in use, in one line, and nothing of the first is
-    removed (it used to vanish, and the first to crash)."""
-    import subprocess
-    import sys
-
-    from tests.conftest import DIST_ENV_VARS
-
-    run_dir = tmp_path / "new" / "run"
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
-    argv = [sys.executable, "-m", "framework.cli", *ONE_RANK, f"hydra.run.dir={run_dir}"]
-    starts = [
-        subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    ended = sorted((p.wait(timeout=600), p.stderr.read()) for p in starts)
+    removed (it used to vanish, and the first to crash). Both are forked at once from the
+    tests' fork server, which has imported the training stack."""
+    run_dir, said = tmp_path / "new" / "run", tmp_path / "said"
+    said.mkdir()
+    argv = [*ONE_RANK, f"hydra.run.dir={run_dir}"]
+    start_ranks(_train_as_a_user, (argv, tmp_path, said), nprocs=2)
+    ended = sorted(
+        (int((said / f"{rank}.code").read_text()), (said / f"{rank}.err").read_text())
+        for rank in range(2)
+    )
     (first, first_err), (second, second_err) = ended
     assert first == 0, first_err[-3000:]
     assert second == 2, second_err[-3000:]

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import io
 import os
+import resource
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from torch.multiprocessing import ProcessExitedException
 
-from framework.core.exits import CheckpointError
+from framework.core.exits import CheckpointError, SaveFailed
+from framework.core.launch_context import DistEnv
 from framework.storage import checkpoint
-from framework.storage.checkpoint import check_model_keys, newest_valid, read, write
+from framework.storage.checkpoint import Checkpointer, check_model_keys, newest_valid, read, write
 from framework.storage.files import step_files
 from framework.storage.sharded import join, marked, split
-from tests.conftest import REPO
+from tests.conftest import start_ranks
 
 
 def payload(step: int, **extra) -> dict:
@@ -155,62 +157,60 @@ def test_a_different_model_gets_one_error_listing_every_mismatched_key(tmp_path)
     assert "0.weight (8, 4) vs (16, 4)" in message and "1.weight (2, 8) vs (2, 16)" in message
 
 
+def _write_a_big_checkpoint(rank: int, run_dir: Path, started: Path) -> None:
+    w = torch.zeros(100_000_000)  # 400 MB: the kill lands inside torch.save
+    big = {"format": checkpoint.FORMAT, "step": 2, "model": {"w": w}}
+    started.write_text("writing")
+    checkpoint.write(run_dir, 2, big, keep=3)
+
+
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_valid(tmp_path):
-    write(tmp_path, 1, payload(1), keep=3)
-    script = (
-        "import torch; from framework.storage import checkpoint\n"
-        "w = torch.zeros(100_000_000)  # 400 MB: the kill lands inside torch.save\n"
-        "big = {'format': checkpoint.FORMAT, 'step': 2, 'model': {'w': w}}\n"
-        "print('writing', flush=True)\n"
-        f"checkpoint.write(__import__('pathlib').Path({str(tmp_path)!r}), 2, big, keep=3)\n"
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
-    assert process.stdout.readline().strip() == "writing"
+    run_dir, started = tmp_path / "run", tmp_path / "started"
+    write(run_dir, 1, payload(1), keep=3)
+    # (a process of its own, forked from the fork server that has imported torch)
+    saver = start_ranks(_write_a_big_checkpoint, (run_dir, started), nprocs=1, join=False)
+    process = saver.processes[0]
+    while not started.exists():
+        assert process.is_alive(), "the saving process ended before it wrote"
+        time.sleep(0.01)
     time.sleep(0.3)  # inside torch.save of 400 MB
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert not (tmp_path / "step_00000002.pt").exists()
-    assert any(p.name.startswith(".step_00000002.pt.tmp") for p in tmp_path.iterdir())
-    path, loaded = newest_valid(tmp_path)
+    os.kill(process.pid, signal.SIGKILL)
+    with pytest.raises(ProcessExitedException, match="terminated with signal SIGKILL"):
+        saver.join()  # (ended by the kill, not by finishing)
+    assert not (run_dir / "step_00000002.pt").exists()
+    assert any(p.name.startswith(".step_00000002.pt.tmp") for p in run_dir.iterdir())
+    path, loaded = newest_valid(run_dir)
     assert path.name == "step_00000001.pt" and loaded["step"] == 1
-    assert os.readlink(tmp_path / "last.pt") == "step_00000001.pt"
+    assert os.readlink(run_dir / "last.pt") == "step_00000001.pt"
 
 
-SAVE_PAST_A_SIZE_LIMIT = """
-import resource, sys, torch
-from omegaconf import OmegaConf
-from framework.core.exits import SaveFailed
-from framework.core.launch_context import DistEnv
-from framework.storage.checkpoint import Checkpointer
-cfg = OmegaConf.create({"every": 1, "keep": 3, "best": 0})
-saver = Checkpointer(cfg, __import__("pathlib").Path(sys.argv[1]), DistEnv(), {})
-saver.write_file(1, lambda: {"model": {"w": torch.zeros(10)}}, {})
-resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a file-size limit, a full disk
-try:
-    saver.write_file(2, lambda: {"model": {"w": torch.zeros(1_000_000)}}, {})
-except SaveFailed as error:
-    print(error)
-"""
+FILE_SIZE_LIMIT = 200_000  # bytes: a full disk, as a process sees it
+
+
+def _save_past_a_size_limit(rank: int, run_dir: Path, said: Path) -> None:
+    """In a process of its own: a file-size limit holds for the whole process."""
+    cfg = OmegaConf.create({"every": 1, "keep": 3, "best": 0})
+    saver = Checkpointer(cfg, run_dir, DistEnv(), {})
+    saver.write_file(1, lambda: {"model": {"w": torch.zeros(10)}}, {})
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+    try:
+        saver.write_file(2, lambda: {"model": {"w": torch.zeros(1_000_000)}}, {})
+    except SaveFailed as error:
+        said.write_text(str(error))
 
 
 def test_a_save_past_a_file_size_limit_says_so_and_keeps_the_previous_checkpoint(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-c", SAVE_PAST_A_SIZE_LIMIT, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("the checkpoint of step 2 could not be written to"), done.stdout
-    assert "File too large" in done.stdout and "step_00000001.pt is intact" in done.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    run_dir, said = tmp_path / "run", tmp_path / "said.txt"
+    start_ranks(_save_past_a_size_limit, (run_dir, said), nprocs=1)
+    message = said.read_text() if said.exists() else "(no SaveFailed)"
+    assert message.startswith("the checkpoint of step 2 could not be written to"), message
+    assert "File too large" in message and "step_00000001.pt is intact" in message
+    assert sorted(p.name for p in run_dir.iterdir()) == [
         "last.pt",
         "step_00000001.json",
         "step_00000001.pt",
     ]
-    assert read(tmp_path / "last.pt")["step"] == 1
+    assert read(run_dir / "last.pt")["step"] == 1
 
 
 def test_a_sharded_checkpoints_skeleton_keeps_everything_around_the_tensors():
@@ -241,47 +241,33 @@ def through_torch_save(value):
     return torch.load(buffer, weights_only=True)
 
 
-SHARDED_SAVE_PAST_A_SIZE_LIMIT = """
-import resource, sys, torch
-from omegaconf import OmegaConf
-from framework.core.exits import SaveFailed
-from framework.core.launch_context import DistEnv
-from framework.storage.checkpoint import Checkpointer
-cfg = OmegaConf.create({"every": 1, "keep": 3, "best": 0, "async_save": sys.argv[2] == "1"})
-saver = Checkpointer(cfg, __import__("pathlib").Path(sys.argv[1]), DistEnv(), {}, sharded=True)
-saver.write_sharded(1, {"model": {"w": torch.zeros(10)}}, dict, {})
-saver.finish_pending()
-resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # a file-size limit, a full disk
-try:
-    saver.write_sharded(2, {"model": {"w": torch.zeros(1_000_000)}}, dict, {})
-    saver.finish_pending()  # where a background save's failure is raised
-except SaveFailed as error:
-    print(error)
-"""
+def _sharded_save_past_a_size_limit(
+    rank: int, run_dir: Path, said: Path, in_background: bool
+) -> None:
+    cfg = OmegaConf.create({"every": 1, "keep": 3, "best": 0, "async_save": in_background})
+    saver = Checkpointer(cfg, run_dir, DistEnv(), {}, sharded=True)
+    saver.write_sharded(1, {"model": {"w": torch.zeros(10)}}, dict, {})
+    saver.finish_pending()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+    try:
+        saver.write_sharded(2, {"model": {"w": torch.zeros(1_000_000)}}, dict, {})
+        saver.finish_pending()  # where a background save's failure is raised
+    except SaveFailed as error:
+        said.write_text(str(error))
 
 
 @pytest.mark.parametrize("in_background", [False, True], ids=["sync", "async_save"])
 def test_a_sharded_save_past_a_file_size_limit_says_so_and_keeps_the_previous_one(
     tmp_path, in_background
 ):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            SHARDED_SAVE_PAST_A_SIZE_LIMIT,
-            str(tmp_path),
-            str(int(in_background)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("the checkpoint of step 2 could not be written to"), done.stdout
-    assert "File too large" in done.stdout and "step_00000001.dcp is intact" in done.stdout
-    assert [p.name for _, p in step_files(tmp_path)] == ["step_00000001.dcp"]
-    assert os.readlink(tmp_path / "last.pt") == "step_00000001.dcp"
-    assert read(tmp_path / "last.pt")["step"] == 1
+    run_dir, said = tmp_path / "run", tmp_path / "said.txt"
+    start_ranks(_sharded_save_past_a_size_limit, (run_dir, said, in_background), nprocs=1)
+    message = said.read_text() if said.exists() else "(no SaveFailed)"
+    assert message.startswith("the checkpoint of step 2 could not be written to"), message
+    assert "File too large" in message and "step_00000001.dcp is intact" in message
+    assert [p.name for _, p in step_files(run_dir)] == ["step_00000001.dcp"]
+    assert os.readlink(run_dir / "last.pt") == "step_00000001.dcp"
+    assert read(run_dir / "last.pt")["step"] == 1
 
 
 def test_tied_weights_export_to_safetensors_under_each_name(tmp_path):

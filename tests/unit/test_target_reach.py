@@ -81,6 +81,7 @@ WRITE_MODES = set("wax+")
 PROTOCOL_METHODS = {"__init__", "__new__", "__call__", "__post_init__", "__getitem__", "__iter__"}
 PROTOCOL_METHODS |= {"__next__", "__len__"}
 FOLLOWED = ("torch", "torchvision", "framework")
+_ABSENT = object()
 DEPTH = 8
 
 # Calls on a path the scan found that no config value reaches, and why.
@@ -131,27 +132,44 @@ def _functions_of(obj: object) -> list[types.FunctionType]:
     return functions
 
 
-def _tree(function: types.FunctionType) -> ast.AST | None:
+@cache
+def _call_nodes(function: types.FunctionType) -> tuple[ast.Call, ...]:
+    """The calls in `function`'s source, read once: a function (nn.Module's methods above all)
+    is reached from many targets, through many classes and at many depths."""
     try:
-        return ast.parse(textwrap.dedent(inspect.getsource(function)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError):
-        return None
+        return ()
+    return tuple(node for node in ast.walk(tree) if isinstance(node, ast.Call))
+
+
+@cache
+def _calls(function: types.FunctionType, owner: type | None) -> tuple[tuple[ast.Call, object], ...]:
+    """Each call in `function` and what it resolves to for `owner` (None: not followed)."""
+    return tuple((call, _callee(call, function, owner)) for call in _call_nodes(function))
+
+
+def _lookup(function: types.FunctionType, name: str) -> object | None:
+    """`name` as `function` sees it: its module's globals, then the builtins."""
+    found = function.__globals__.get(name, _ABSENT)
+    return vars(builtins).get(name) if found is _ABSENT else found
 
 
 def _callee(call: ast.Call, function: types.FunctionType, owner: type | None) -> object | None:
-    scope = {**vars(builtins), **function.__globals__}
     node = call.func
     if isinstance(node, ast.Name):
-        return scope.get(node.id)
+        return _lookup(function, node.id)
     if not isinstance(node, ast.Attribute):
         return None
     base = node.value
     if isinstance(base, ast.Name) and base.id in ("self", "cls") and owner is not None:
         return getattr(owner, node.attr, None)
-    if isinstance(base, ast.Name) and isinstance(scope.get(base.id), types.ModuleType | type):
-        return getattr(scope[base.id], node.attr, None)
+    if isinstance(base, ast.Name):
+        outer = _lookup(function, base.id)
+        if isinstance(outer, types.ModuleType | type):
+            return getattr(outer, node.attr, None)
     if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):
-        outer = scope.get(base.value.id)
+        outer = _lookup(function, base.value.id)
         if isinstance(outer, types.ModuleType):
             inner = getattr(outer, base.attr, None)
             if isinstance(inner, types.ModuleType | type):
@@ -191,12 +209,8 @@ def path_to_sink(obj: object, depth: int = DEPTH) -> tuple[str, ...] | None:
         return None
     owner = obj if isinstance(obj, type) else None
     for function in _functions_of(obj):
-        tree = _tree(function)
-        if tree is None:
-            continue
         where = f"{function.__module__}.{function.__qualname__}"
-        for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
-            callee = _callee(call, function, owner)
+        for call, callee in _calls(function, owner):
             if callee is None or (where, _name(callee)) in REVIEWED_CALLS:
                 continue
             sink = _sink(callee) or ("open(..., 'w')" if _writes_a_file(call, callee) else None)
