@@ -265,14 +265,21 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
     # The same as resuming that checkpoint on one rank by hand.
     reference = tmp_path / "reference"
-    by_hand = cli(
-        *ELASTIC,
-        "launcher.nproc_per_node=1",
-        f"checkpoint.resume={checkpoint}",
-        f"hydra.run.dir={reference}",
-        cwd=tmp_path,
-        env={"OMP_NUM_THREADS": "1", FAULT_ENV: None},
-    )
+    # In this process, with one thread as the nodes' ranks (OMP_NUM_THREADS=1, which a running
+    # torch no longer reads): more threads change the last bits of the weights.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        by_hand = cli(
+            *ELASTIC,
+            "launcher.nproc_per_node=1",
+            f"checkpoint.resume={checkpoint}",
+            f"hydra.run.dir={reference}",
+            cwd=tmp_path,
+            env={"OMP_NUM_THREADS": "1", FAULT_ENV: None},
+        )
+    finally:
+        torch.set_num_threads(threads)
     assert by_hand.returncode == 0, by_hand.stderr[-3000:]
     assert train_losses(reference) == losses[step:]
     assert_same_weights(final_weights(run_dir), final_weights(reference))
