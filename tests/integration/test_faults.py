@@ -122,8 +122,7 @@ def test_a_signal_to_torchrun_reaches_the_ranks_which_save_and_leave_no_process_
     assert "stopped on SIGUSR1 at step" in result.stderr, result.stderr[-3000:]
     step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
     assert 10 <= step < 30
-    time.sleep(1)
-    assert not processes_mentioning(str(tmp_path))
+    assert_no_process_left_within(1, tmp_path)
 
 
 def test_a_hung_rank_ends_the_job_within_the_timeout_with_one_message_and_no_process_left(

@@ -3,12 +3,19 @@ started and every launcher (the end-to-end runs of each path are in tests/integr
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from framework.config.validation import joins_other_node, node_range
 from framework.core.launch_context import detect
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start
-from framework.launch.torchrun.agent import rendezvous_settings
+from framework.launch.torchrun.agent import (
+    WORKER_FAILURE_LOGGER,
+    OneLineFailures,
+    rendezvous_settings,
+    report_worker_failures_in_one_line,
+)
 from tests.conftest import make_cfg
 
 TORCHRUN_RANK_0 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "j"}
@@ -96,3 +103,22 @@ def test_the_rendezvous_host_holds_a_multi_node_jobs_run_dir(overrides, joins, i
 
 def test_only_torchrun_jobs_join_another_nodes_run_dir():
     assert not joins_other_node(make_cfg().launcher)
+
+
+def test_the_agents_report_of_a_failed_worker_is_one_line_without_a_traceback(caplog):
+    """A traceback in it made torch's log formatter import torch._dynamo in the launcher (15 s
+    here) before every restart (framework/launch/torchrun/agent.py)."""
+    report_worker_failures_in_one_line()
+    report_worker_failures_in_one_line()  # once per launch: the filter is not stacked
+    logger = logging.getLogger(WORKER_FAILURE_LOGGER)
+    assert sum(isinstance(f, OneLineFailures) for f in logger.filters) == 1
+    try:
+        raise RuntimeError("process 0 terminated with exit code 3")
+    except RuntimeError:
+        logger.exception("failed (exitcode: %s) local_rank: %s", 3, 0)
+    [record] = [r for r in caplog.records if r.name == WORKER_FAILURE_LOGGER]
+    assert record.exc_info is None and record.exc_text is None
+    assert record.getMessage() == (
+        "failed (exitcode: 3) local_rank: 0: process 0 terminated with exit code 3"
+    )
+    assert "Traceback" not in caplog.text

@@ -5,6 +5,7 @@ resolved once here."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -29,10 +30,34 @@ from framework.core.exits import Stopped, WorkerFailed, root_cause
 from framework.launch import forkserver
 from framework.rank.stopping import stop_signal_names
 
+# The logger torch's agent reports a failed worker with (logger.exception).
+WORKER_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class OneLineFailures(logging.Filter):
+    """A record with an exception becomes one line: the exception's text joins the message and
+    the traceback (the agent's own frames, which say nothing more) is dropped. Formatting a
+    traceback makes torch's log formatter import torch._dynamo (15 to 20 s on 2 busy cores) in
+    a launcher that has no other use for it, and the agent restarts the ranks only after it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            record.msg = f"{record.getMessage()}: {record.exc_info[1]}"
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def report_worker_failures_in_one_line() -> None:
+    logger = logging.getLogger(WORKER_FAILURE_LOGGER)
+    if not any(isinstance(f, OneLineFailures) for f in logger.filters):
+        logger.addFilter(OneLineFailures())
+
 
 def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
     """The ranks as workers of torch's elastic agent, run from this process."""
     launcher = cfg.launcher
+    report_worker_failures_in_one_line()
     min_nodes, max_nodes = node_range(launcher.nnodes)
     # Restarted rounds re-create the store; sharing torchrun's store made gloo reconnects flaky.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
