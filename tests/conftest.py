@@ -142,7 +142,7 @@ def cli(capfd, monkeypatch):
         try:
             train.main()
         except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+            code = exit_code_of(exit_)
         finally:
             GlobalHydra.instance().clear()
             root = logging.getLogger()
@@ -154,6 +154,11 @@ def cli(capfd, monkeypatch):
         return Finished(code, out, err)
 
     return run
+
+
+def exit_code_of(exit_: SystemExit) -> int:
+    """The process's exit code for a SystemExit, as the interpreter would give it."""
+    return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
 
 
 def pytest_configure(config) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from framework.storage.run_dir import RunDir
-from tests.conftest import start_ranks
+from tests.conftest import exit_code_of, start_ranks
 
 ONE_RANK = ("launcher.nproc_per_node=1", "trainer.max_steps=2", "checkpoint.every=1")
 # Refused by the rank, after Hydra made the run dir and the record was written.
@@ -186,7 +186,7 @@ def _train_as_a_user(rank: int, argv: list[str], cwd: Path, said: Path) -> None:
     try:
         train.main()
     except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        code = exit_code_of(exit_)
     finally:
         sys.stderr.flush()
     (said / f"{rank}.code").write_text(str(code))
