@@ -123,8 +123,6 @@ def cli(capfd, monkeypatch):
 
     from hydra.core.global_hydra import GlobalHydra
 
-    from framework import train
-
     def run(*args: str, cwd: Path, env: dict | None = None, timeout: float = 0) -> Finished:
         monkeypatch.chdir(cwd)
         monkeypatch.setattr(sys, "argv", ["train", *args])
@@ -138,11 +136,8 @@ def cli(capfd, monkeypatch):
         handlers = list(logging.getLogger().handlers)
         capfd.readouterr()
         GlobalHydra.instance().clear()
-        code = 0
         try:
-            train.main()
-        except SystemExit as exit_:
-            code = exit_code_of(exit_)
+            code = exit_code_of_train()
         finally:
             GlobalHydra.instance().clear()
             root = logging.getLogger()
@@ -156,9 +151,15 @@ def cli(capfd, monkeypatch):
     return run
 
 
-def exit_code_of(exit_: SystemExit) -> int:
-    """The process's exit code for a SystemExit, as the interpreter would give it."""
-    return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+def exit_code_of_train() -> int:
+    """`train.main()` in this process, and the exit code the interpreter would give it."""
+    from framework import train
+
+    try:
+        train.main()
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    return 0
 
 
 def pytest_configure(config) -> None:

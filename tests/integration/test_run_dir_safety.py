@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from framework.storage.run_dir import RunDir
-from tests.conftest import exit_code_of, start_ranks
+from tests.conftest import exit_code_of_train, start_ranks
 
 ONE_RANK = ("launcher.nproc_per_node=1", "trainer.max_steps=2", "checkpoint.every=1")
 # Refused by the rank, after Hydra made the run dir and the record was written.
@@ -176,17 +176,12 @@ def test_a_sweep_dir_holding_a_users_files_or_another_sweep_is_refused(cli, tmp_
 def _train_as_a_user(rank: int, argv: list[str], cwd: Path, said: Path) -> None:
     """`train argv` in cwd, as the console script runs it, in a process of its own: its
     stderr into said/<rank>.err, its exit code into said/<rank>.code."""
-    from framework import train
-
     os.chdir(cwd)
     with open(said / f"{rank}.err", "w") as err:
         os.dup2(err.fileno(), 2)
     sys.argv = ["train", *argv]
-    code = 0
     try:
-        train.main()
-    except SystemExit as exit_:
-        code = exit_code_of(exit_)
+        code = exit_code_of_train()
     finally:
         sys.stderr.flush()
     (said / f"{rank}.code").write_text(str(code))
