@@ -21,8 +21,12 @@ CAP_MIB = 320  # each rank's memory beyond what it held when the model was built
 MIB = 2**20
 
 
-def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_four(tmp_path):
+def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_four(
+    tmp_path, cli
+):
     env = {MEMORY_CAP_ENV: str(CAP_MIB), "OMP_NUM_THREADS": "1"}
+    # One rank runs in the `train` process itself (launcher=local): the cap needs a process of
+    # its own, not this one.
     ddp = run_cli(
         *CAPPED,
         "strategy=ddp",
@@ -37,13 +41,16 @@ def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_
     assert "strategy=fsdp shards the parameters, gradients and optimizer state" in line
     assert "Traceback" not in ddp.stderr
 
-    fsdp = run_cli(
+    # Four ranks forked from the fork server, capped there: `train` itself may run here. Without
+    # OMP_NUM_THREADS each rank takes one thread of the two cores (a forked rank no longer reads
+    # it; a second thread's heap would count against the cap).
+    fsdp = cli(
         *CAPPED,
         "strategy=fsdp",
         "launcher.nproc_per_node=4",
         f"hydra.run.dir={tmp_path / 'fsdp'}",
         cwd=tmp_path,
-        env=env,
+        env={MEMORY_CAP_ENV: str(CAP_MIB), "OMP_NUM_THREADS": None},
     )
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
@@ -56,8 +63,8 @@ def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_
         assert states < CAP_MIB * MIB < 4 * states
 
 
-def test_mode_estimate_prints_each_ranks_ledger_and_launches_nothing(tmp_path):
-    result = run_cli(
+def test_mode_estimate_prints_each_ranks_ledger_and_launches_nothing(tmp_path, cli):
+    result = cli(
         *CAPPED, "strategy=fsdp", "launcher.nproc_per_node=4", "mode=estimate", cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
