@@ -10,6 +10,7 @@ about the same room (207 MiB) as 4 blocks under 320 MiB (211)."""
 from __future__ import annotations
 
 import json
+import resource
 
 import pytest
 
@@ -44,6 +45,7 @@ def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_
     assert "strategy=fsdp shards the parameters, gradients and optimizer state" in line
     assert "Traceback" not in ddp.stderr
 
+    uncapped = resource.getrlimit(resource.RLIMIT_DATA)
     # Four ranks forked from the fork server, capped there: `train` itself may run here. Without
     # OMP_NUM_THREADS each rank takes one thread of the two cores (a forked rank no longer reads
     # it; a second thread's heap would count against the cap).
@@ -56,6 +58,7 @@ def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_
         env={MEMORY_CAP_ENV: str(CAP_MIB), "OMP_NUM_THREADS": None},
     )
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert resource.getrlimit(resource.RLIMIT_DATA) == uncapped  # only the ranks were capped
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["steps"] == 2
     ledgers = summary["memory/ledger"]
