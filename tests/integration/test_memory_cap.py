@@ -2,11 +2,15 @@
 set in the rank by tests/faults.py MemoryCappedGPT), a GPT whose parameters and AdamW state
 (about 450 MB) exceed the cap fails under strategy=ddp with one out-of-memory line and its own
 exit code, and trains under strategy=fsdp on 4 ranks (each builds only its shards, on the meta
-device). `train ... mode=estimate` says so beforehand, without a run dir."""
+device). `train ... mode=estimate` says so beforehand, without a run dir. The runs use 3 of the
+experiment's 4 blocks (about 340 MB of states) under a 288 MiB cap: the whole model's states
+still exceed the cap by 38 MiB, a quarter of them leave
+about the same room (207 MiB) as 4 blocks under 320 MiB (211)."""
 
 from __future__ import annotations
 
 import json
+import resource
 
 import pytest
 
@@ -17,14 +21,18 @@ from tests.faults import MEMORY_CAP_ENV
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 CAPPED = (f"hydra.searchpath=[file://{REPO / 'tests' / 'conf'}]", "experiment=capped_gpt")
-CAP_MIB = 320  # each rank's memory beyond what it held when the model was built
+# Three blocks: less to build and train than the experiment's four, the same margins.
+CAPPED_RUN = (*CAPPED, "model.layers=3")
+CAP_MIB = 288  # each rank's memory beyond what it held when the model was built
 MIB = 2**20
 
 
-def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_four(tmp_path):
+def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_four(tmp_path, cli):
     env = {MEMORY_CAP_ENV: str(CAP_MIB), "OMP_NUM_THREADS": "1"}
+    # One rank runs in the `train` process itself (launcher=local): the cap needs a process of
+    # its own, not this one.
     ddp = run_cli(
-        *CAPPED,
+        *CAPPED_RUN,
         "strategy=ddp",
         "launcher.nproc_per_node=1",
         f"hydra.run.dir={tmp_path / 'ddp'}",
@@ -37,15 +45,20 @@ def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_
     assert "strategy=fsdp shards the parameters, gradients and optimizer state" in line
     assert "Traceback" not in ddp.stderr
 
-    fsdp = run_cli(
-        *CAPPED,
+    uncapped = resource.getrlimit(resource.RLIMIT_DATA)
+    # Four ranks forked from the fork server, capped there: `train` itself may run here. Without
+    # OMP_NUM_THREADS each rank takes one thread of the two cores (a forked rank no longer reads
+    # it; a second thread's heap would count against the cap).
+    fsdp = cli(
+        *CAPPED_RUN,
         "strategy=fsdp",
         "launcher.nproc_per_node=4",
         f"hydra.run.dir={tmp_path / 'fsdp'}",
         cwd=tmp_path,
-        env=env,
+        env={MEMORY_CAP_ENV: str(CAP_MIB), "OMP_NUM_THREADS": None},
     )
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert resource.getrlimit(resource.RLIMIT_DATA) == uncapped  # only the ranks were capped
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["steps"] == 2
     ledgers = summary["memory/ledger"]
@@ -56,8 +69,8 @@ def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_
         assert states < CAP_MIB * MIB < 4 * states
 
 
-def test_mode_estimate_prints_each_ranks_ledger_and_launches_nothing(tmp_path):
-    result = run_cli(
+def test_mode_estimate_prints_each_ranks_ledger_and_launches_nothing(tmp_path, cli):
+    result = cli(
         *CAPPED, "strategy=fsdp", "launcher.nproc_per_node=4", "mode=estimate", cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
