@@ -8,7 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
+from framework.config.redaction import REDACTED
 from framework.core.exits import ExitCode
 from tests.conftest import REPO
 
@@ -37,7 +39,8 @@ TOKEN = "PLANTED-API-TOKEN-5"  # under a secret-looking key, typed on the comman
 URL_PASSWORD = "PLANTED/URL-PASSWORD-6"  # a URL's password, holding a '/'
 SERVER_PASSWORD = "PLANTED-SERVER-PASSWORD-9"  # an MLflow server's, in its URI
 SWEPT = ("PLANTED-SWEPT-TOKEN-7", "PLANTED-SWEPT-TOKEN-8")  # a swept secret-looking key
-PLANTED = [*ENV_SECRETS.values(), TOKEN, URL_PASSWORD, SERVER_PASSWORD, *SWEPT]
+WANDB_KEY = "PLANTED-WANDB-API-KEY-10"  # the environment's WANDB_API_KEY, read by W&B itself
+PLANTED = [*ENV_SECRETS.values(), TOKEN, URL_PASSWORD, SERVER_PASSWORD, *SWEPT, WANDB_KEY]
 
 # Every writer at once: the four loggers, the values in W&B's and MLflow's names, group and
 # tags, in the config (config.yaml, W&B's config, MLflow's params) and in a URL.
@@ -57,6 +60,7 @@ def environment(tmp_path: Path) -> dict[str, str]:
     return {
         **ENV_SECRETS,
         "WANDB_MODE": "offline",
+        "WANDB_API_KEY": WANDB_KEY,
         "NETRC": str(tmp_path / "no-netrc"),
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
@@ -102,6 +106,16 @@ def test_a_run_with_every_logger_writes_no_planted_secret(cli, tmp_path):
         assert list(run_dir.glob(pattern)), pattern
     assert (tmp_path / "mlflow.db").exists()
     assert leaks(tmp_path, result.stdout + result.stderr) == []
+    # The secret-looking key is kept, redacted: in both records and in W&B's copy of the config.
+    assert OmegaConf.load(run_dir / "config.yaml").data.api_token == REDACTED
+    assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").data.api_token == REDACTED
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == [
+        "config.yaml",
+        "hydra.yaml",
+        "overrides.yaml",
+    ]
+    [history] = run_dir.glob("wandb/offline-run-*/*.wandb")  # (its names are redacted too)
+    assert f'"api_token":"{REDACTED}"'.encode() in history.read_bytes()
 
 
 def test_a_sweep_with_every_logger_writes_no_planted_secret(cli, tmp_path):

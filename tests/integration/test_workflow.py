@@ -6,7 +6,6 @@ optimizer parameter groups."""
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 
 from framework.config.redaction import REDACTED
 from framework.core.exits import ExitCode
-from tests.conftest import FAULTS, make_cfg, read_metrics, run_cli, train_many
+from tests.conftest import FAULTS, make_cfg, read_metrics, train_many
 from tests.faults import FAULT_ENV
 
 pytestmark = pytest.mark.slow
@@ -214,7 +213,9 @@ LOGGERS = ("logger=[tensorboard,csv,mlflow]",)
 
 def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_runs(cli, tmp_path):
     """Stopped by SIGTERM at step 10 and run again: one MLflow run, one CSV and one
-    TensorBoard log holding steps 1-30 once, as metrics.jsonl does."""
+    TensorBoard log holding steps 1-30 once, as metrics.jsonl does. The signal reaches rank 0
+    (the ranks stop together all the same: tests/integration/test_faults.py), so the stopped
+    command runs in this process too."""
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -226,10 +227,9 @@ def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_ru
         "data._target_=tests.user_data.synthetic_with_settings",  # a user's loader, with a token
         "+data.api_token=PLANTED-SECRET-1",
     )
-    fault = {FAULT_ENV: "parent-SIGTERM:0:9", "MLFLOW_TRACKING_URI": store}
-    stopped = run_cli(*args, cwd=tmp_path, env=fault)
+    fault = {FAULT_ENV: "SIGTERM:0:9", "MLFLOW_TRACKING_URI": store}
+    stopped = cli(*args, cwd=tmp_path, env=fault)
     assert stopped.returncode == ExitCode.STOPPED, stopped.stderr[-3000:]
-    # (the signal needed a process)
     resumed = cli(*args, cwd=tmp_path, env={FAULT_ENV: None, "MLFLOW_TRACKING_URI": store})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run_dir = tmp_path / "run"
@@ -322,15 +322,12 @@ def test_help_lists_the_groups_users_pick_from_and_no_schema(cli, tmp_path):
     assert "schema" not in groups
 
 
-def test_launcher_torchrun_leaves_no_torchelastic_folder_behind(tmp_path):
-    # A short TMPDIR: the fork server's socket lies in it, and a Unix socket's path is limited
-    # to 107 bytes (pytest's own tmp paths come close).
-    temp = Path(tempfile.mkdtemp(prefix="elastic-", dir="/tmp"))
-    try:
-        result = run_cli(
-            "launcher=torchrun", "trainer.max_steps=2", cwd=tmp_path, env={"TMPDIR": str(temp)}
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert sorted(p.name for p in temp.iterdir() if "elastic" in p.name) == []
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+def test_launcher_torchrun_leaves_no_torchelastic_folder_behind(cli, tmp_path, monkeypatch):
+    """The elastic agent runs in the launcher's process, so this process's temp dir (Python's
+    tempfile.tempdir: TMPDIR is read once) is where its folders would be left."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    result = cli("launcher=torchrun", "trainer.max_steps=2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in temp.iterdir() if "elastic" in p.name) == []
