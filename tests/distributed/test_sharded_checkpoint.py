@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -149,7 +147,11 @@ def test_a_crafted_index_is_refused_and_never_executed(cli, tmp_path, trained_fs
     assert not list(tmp_path.rglob("PWNED"))
 
 
-def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(tmp_path, trained_fsdp):
+def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(
+    tmp_path, trained_fsdp, capsys
+):
+    from framework.storage.export import main
+
     run_dir, trained = trained_fsdp
     checkpoint = run_dir / "checkpoints" / "last.pt"
     for ranks in (1, 3):
@@ -166,16 +168,17 @@ def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(tmp_pa
         assert summary["val/accuracy"] == trained["val/accuracy"]
         assert summary["val/loss"] == pytest.approx(trained["val/loss"], rel=1e-6)
 
+    # framework-export's main() in this process: a new interpreter would add only its imports.
     exported = tmp_path / "model.pt"
-    export = [sys.executable, "-m", "framework.storage.export", str(checkpoint), str(exported)]
-    result = subprocess.run([*export], capture_output=True, text=True, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+    main([str(checkpoint), str(exported)])
+    assert f"from {checkpoint}" in capsys.readouterr().out
     state = torch.load(exported, weights_only=True)
     instantiate(make_cfg(*FSDP).model).load_state_dict(state)  # strict: every key and shape
     for name, tensor in weights(checkpoint).items():
         assert torch.equal(state[name], tensor)
-    again = subprocess.run([*export], capture_output=True, text=True, cwd=tmp_path)
-    assert again.returncode == 2 and "already exists" in again.stderr
+    with pytest.raises(SystemExit) as again:
+        main([str(checkpoint), str(exported)])
+    assert again.value.code == 2 and "already exists" in capsys.readouterr().err
 
 
 def test_a_sharded_checkpoint_exports_to_safetensors_one_file_of_tensors_at_a_time(
