@@ -583,33 +583,7 @@ def variants(run: StepRun) -> StepResult:
 
     forkserver.warm_up()  # two-rank cases fork from it: its imports overlap the first case
     check = run.check
-    steps = 8 if check.cpu else 40  # fp16 autocast on a CPU is about 60x slower than fp32
-    common = [
-        f"trainer.max_steps={steps}",
-        "trainer.max_epochs=null",
-        "trainer.log_every=4",
-        "trainer.progress_bar=false",
-        "checkpoint.every=0",
-    ]
-    cases = {
-        "amp, 1 rank": ["precision=amp", "launcher.nproc_per_node=1"],
-        "amp + powersgd, 2 ranks": [
-            "precision=amp",
-            "comm=powersgd",
-            "comm.start_iter=2",
-            *check.two_ranks(),
-        ],
-        "fsdp + bf16, 2 ranks": [
-            "experiment=char_gpt",
-            "model.layers=2",
-            "model.width=64",
-            "data.block_size=32",
-            "task.sample_tokens=0",
-            "strategy=fsdp",
-            "precision=bf16",
-            *check.two_ranks(),
-        ],
-    }
+    cases = variant_cases(check)
     figures: dict[str, Any] = {
         "two_ranks": "gloo, both on CPU"
         if check.cpu
@@ -618,9 +592,48 @@ def variants(run: StepRun) -> StepResult:
         "cases": {},
     }
     for name, overrides in cases.items():
-        figures["cases"][name] = launched_run([*overrides, *common], check, name)
+        figures["cases"][name] = launched_run(overrides, check, name)
         run.report(figures)
     return all(case["ok"] for case in figures["cases"].values()), figures
+
+
+def variant_cases(check: Check) -> dict[str, list[str]]:
+    """Each case's overrides. fp16/bf16 on a CPU run torch's reference kernels (about 10x
+    fp32): the CPU's toy sizes take the fewest steps that still show one logged loss, a loss
+    scale and compressed steps, a smaller GPT and a small validation split."""
+    steps = 4 if check.cpu else 40
+    common = [
+        f"trainer.max_steps={steps}",
+        "trainer.max_epochs=null",
+        "trainer.log_every=4",
+        "trainer.progress_bar=false",
+        "checkpoint.every=0",
+    ]
+    # channels_last: the CPU's fp16 convolutions are about twice as fast in it
+    toy_cnn = ["trainer.channels_last=true", "data.val_fraction=0.05"] if check.cpu else []
+    width, block, val = (32, 16, ["data.val_fraction=0.01"]) if check.cpu else (64, 32, [])
+    cases = {
+        "amp, 1 rank": ["precision=amp", "launcher.nproc_per_node=1", *toy_cnn],
+        "amp + powersgd, 2 ranks": [
+            "precision=amp",
+            "comm=powersgd",
+            "comm.start_iter=2",
+            *check.two_ranks(),
+            *toy_cnn,
+        ],
+        "fsdp + bf16, 2 ranks": [
+            "experiment=char_gpt",
+            "model.layers=2",
+            f"model.width={width}",
+            f"data.block_size={block}",
+            "task.sample_tokens=0",
+            "strategy=fsdp",
+            "precision=bf16",
+            *check.two_ranks(),
+            *val,
+        ],
+    }
+    return {name: [*overrides, *common] for name, overrides in cases.items()}
 
 
 def launched_run(overrides: list[str], check: Check, name: str) -> dict[str, Any]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 from hydra.utils import instantiate
 
 from framework.storage.export import whole_weights
-from tests.conftest import TINY, make_cfg, read_metrics, run_cli, train_in_process, train_losses
+from tests.conftest import TINY, make_cfg, read_metrics, train_in_process, train_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -43,9 +41,18 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return whole_weights(checkpoint)
 
 
-def test_each_rank_writes_its_shards_and_a_resume_on_the_same_ranks_is_bit_exact(tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(straight, 12)
+@pytest.fixture(scope="module")
+def trained_fsdp(tmp_path_factory) -> tuple[Path, dict]:
+    """A 2-rank fsdp run of 12 steps (checkpoints of steps 8 and 12 kept), read by every test
+    here that needs a plain run: its run dir and summary. A test that changes files copies it."""
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    return run_dir, train(run_dir, 12)
+
+
+def test_each_rank_writes_its_shards_and_a_resume_on_the_same_ranks_is_bit_exact(
+    tmp_path, trained_fsdp
+):
+    straight, resumed = trained_fsdp[0], tmp_path / "resumed"
     train(resumed, 12, "checkpoint.keep=3")
     for step in (8, 12):  # as if killed after step 7: the newest checkpoint is step 4's
         shutil.rmtree(resumed / "checkpoints" / f"step_{step:08d}.dcp")
@@ -77,43 +84,45 @@ def test_each_rank_writes_its_shards_and_a_resume_on_the_same_ranks_is_bit_exact
         assert torch.equal(got[name], expected[name]), name
 
 
-def test_a_background_save_holds_the_numbers_of_its_step(tmp_path):
+def test_a_background_save_holds_the_numbers_of_its_step(tmp_path, trained_fsdp):
     """async_save copies the shards and writes them while the next steps train: the saved
     step 4 equals a synchronous save's, and a resume from it reproduces the run."""
-    train(tmp_path / "sync", 12)
+    sync_run = trained_fsdp[0]
     train(tmp_path / "async", 12, "checkpoint.async_save=true", "checkpoint.keep=5")
     for step in (4, 8, 12):
         name = f"step_{step:08d}.dcp"
-        sync = weights(tmp_path / "sync" / "checkpoints" / name) if step > 4 else None
+        sync = weights(sync_run / "checkpoints" / name) if step > 4 else None
         in_background = weights(tmp_path / "async" / "checkpoints" / name)
         for key, tensor in (sync or {}).items():
             assert torch.equal(in_background[key], tensor), (step, key)
-    assert train_losses(tmp_path / "async") == train_losses(tmp_path / "sync")
+    assert train_losses(tmp_path / "async") == train_losses(sync_run)
     resumed = tmp_path / "from_background"
     train(
         resumed,
         12,
         f"checkpoint.resume={tmp_path / 'async' / 'checkpoints' / 'step_00000004.dcp'}",
     )
-    assert train_losses(resumed) == train_losses(tmp_path / "sync")[4:]
+    assert train_losses(resumed) == train_losses(sync_run)[4:]
 
 
-def test_a_damaged_or_partial_sharded_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_a_damaged_or_partial_sharded_checkpoint_falls_back_to_the_previous_one(
+    tmp_path, trained_fsdp
+):
     run_dir = tmp_path / "run"
-    train(run_dir, 8)
+    shutil.copytree(trained_fsdp[0], run_dir, symlinks=True)
     checkpoints = run_dir / "checkpoints"
     # A save killed mid-way leaves only a partial folder, never a step_* one.
-    partial = checkpoints / ".step_00000010.dcp.partial"
-    shutil.copytree(checkpoints / "step_00000008.dcp", partial)
-    shard = checkpoints / "step_00000008.dcp" / "__1_0.distcp"
+    partial = checkpoints / ".step_00000014.dcp.partial"
+    shutil.copytree(checkpoints / "step_00000012.dcp", partial)
+    shard = checkpoints / "step_00000012.dcp" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-16])  # truncated on disk
-    train(run_dir, 10)
+    train(run_dir, 14)
     log = (run_dir / "train.log").read_text()
-    assert "step_00000008.dcp/__1_0.distcp is corrupted or truncated" in log
-    assert "resumed from" in log and "at step 4" in log
+    assert "step_00000012.dcp/__1_0.distcp is corrupted or truncated" in log
+    assert "resumed from" in log and "at step 8" in log
     assert not partial.exists()
     assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e][-6:] == list(
-        range(5, 11)
+        range(9, 15)
     )
 
 
@@ -122,15 +131,15 @@ class _RunsCode:
         return (exec, ("open('PWNED', 'w').write('x')",))
 
 
-def test_a_crafted_index_is_refused_and_never_executed(tmp_path):
-    run_dir = tmp_path / "run"
-    train(run_dir, 4)
-    folder = run_dir / "checkpoints" / "step_00000004.dcp"
+def test_a_crafted_index_is_refused_and_never_executed(cli, tmp_path, trained_fsdp):
+    name = "step_00000008.dcp"
+    folder = tmp_path / "run" / "checkpoints" / name
+    shutil.copytree(trained_fsdp[0] / "checkpoints" / name, folder)
     (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
-    folder.with_suffix(".json").unlink()  # no checksum to stop it first: the index must
+    # no sidecar (.json) with a checksum to stop it first: the index must
     (tmp_path / "attack").mkdir()
-    result = run_cli(
-        *FSDP, "trainer.max_steps=8", f"checkpoint.resume={folder}", cwd=tmp_path / "attack"
+    result = cli(
+        *FSDP, "trainer.max_steps=12", f"checkpoint.resume={folder}", cwd=tmp_path / "attack"
     )
     assert result.returncode == 2
     assert "unreadable or unsafe index .metadata" in result.stderr
@@ -138,14 +147,11 @@ def test_a_crafted_index_is_refused_and_never_executed(tmp_path):
     assert not list(tmp_path.rglob("PWNED"))
 
 
-@pytest.fixture(scope="module")
-def trained_fsdp(tmp_path_factory) -> tuple[Path, dict]:
-    """A 2-rank fsdp run of 8 steps: its run dir (sharded checkpoints) and summary."""
-    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    return run_dir, train(run_dir, 8)
+def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(
+    tmp_path, trained_fsdp, capsys
+):
+    from framework.storage.export import main
 
-
-def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(tmp_path, trained_fsdp):
     run_dir, trained = trained_fsdp
     checkpoint = run_dir / "checkpoints" / "last.pt"
     for ranks in (1, 3):
@@ -162,16 +168,17 @@ def test_eval_and_export_read_a_sharded_checkpoint_on_any_number_of_ranks(tmp_pa
         assert summary["val/accuracy"] == trained["val/accuracy"]
         assert summary["val/loss"] == pytest.approx(trained["val/loss"], rel=1e-6)
 
+    # framework-export's main() in this process: a new interpreter would add only its imports.
     exported = tmp_path / "model.pt"
-    export = [sys.executable, "-m", "framework.storage.export", str(checkpoint), str(exported)]
-    result = subprocess.run([*export], capture_output=True, text=True, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+    main([str(checkpoint), str(exported)])
+    assert f"from {checkpoint}" in capsys.readouterr().out
     state = torch.load(exported, weights_only=True)
     instantiate(make_cfg(*FSDP).model).load_state_dict(state)  # strict: every key and shape
     for name, tensor in weights(checkpoint).items():
         assert torch.equal(state[name], tensor)
-    again = subprocess.run([*export], capture_output=True, text=True, cwd=tmp_path)
-    assert again.returncode == 2 and "already exists" in again.stderr
+    with pytest.raises(SystemExit) as again:
+        main([str(checkpoint), str(exported)])
+    assert again.value.code == 2 and "already exists" in capsys.readouterr().err
 
 
 def test_a_sharded_checkpoint_exports_to_safetensors_one_file_of_tensors_at_a_time(

@@ -49,8 +49,7 @@ def test_every_configuration_the_gpu_run_uses_composes_and_validates(tmp_path):
     assert not check.cpu and check.variants == ("bf16", "bf16+compile")
     configs = [check.gpt.with_variant(v).overrides() for v in check.variants]
     configs.append([*gpu_steps.CHECKPOINT_RUN, "trainer.max_steps=30"])
-    configs.append(["experiment=char_gpt", "strategy=fsdp", "precision=bf16", *check.two_ranks()])
-    configs.append(["precision=amp", "comm=powersgd", *check.two_ranks()])
+    configs.extend(gpu_steps.variant_cases(check).values())
     for overrides in configs:
         validate(make_cfg(*overrides))
     gpt_cfg = make_cfg(*configs[1])
