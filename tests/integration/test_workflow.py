@@ -250,7 +250,7 @@ def test_tensorboard_csv_and_mlflow_get_every_metric_and_resume_into_the_same_ru
     client = MlflowClient(store)
     [run] = client.search_runs([client.get_experiment_by_name("framework").experiment_id])
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    assert sorted({m.step for m in history}) == steps  # the re-run steps 11-12 logged again
+    assert sorted({m.step for m in history}) == steps  # both commands log into the one run
     assert run.data.params["data.api_token"] == f'"{REDACTED}"'
     assert run.data.params["trainer.max_steps"] == "30"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
