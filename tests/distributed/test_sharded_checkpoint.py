@@ -134,9 +134,10 @@ class _RunsCode:
 def test_a_crafted_index_is_refused_and_never_executed(cli, tmp_path, trained_fsdp):
     name = "step_00000008.dcp"
     folder = tmp_path / "run" / "checkpoints" / name
+    # The folder alone, without its sidecar (.json): no checksum refuses it first, so the index
+    # itself must be refused.
     shutil.copytree(trained_fsdp[0] / "checkpoints" / name, folder)
     (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
-    # no sidecar (.json) with a checksum to stop it first: the index must
     (tmp_path / "attack").mkdir()
     result = cli(
         *FSDP, "trainer.max_steps=12", f"checkpoint.resume={folder}", cwd=tmp_path / "attack"

@@ -4,8 +4,8 @@ set in the rank by tests/faults.py MemoryCappedGPT), a GPT whose parameters and 
 exit code, and trains under strategy=fsdp on 4 ranks (each builds only its shards, on the meta
 device). `train ... mode=estimate` says so beforehand, without a run dir. The runs use 3 of the
 experiment's 4 blocks (about 340 MB of states) under a 288 MiB cap: the whole model's states
-still exceed the cap by 38 MiB, a quarter of them leave
-about the same room (207 MiB) as 4 blocks under 320 MiB (211)."""
+still exceed the cap by 38 MiB, and a quarter of them leave about the same room (207 MiB) as 4
+blocks under 320 MiB (211)."""
 
 from __future__ import annotations
 
