@@ -229,8 +229,12 @@ def shipped_node(choices: dict[str, Any]) -> dict[str, Any]:
                 f"{group}={option} is not an option that Hydra, its plugins or this framework "
                 "ship: Hydra's node may only be composed from those"
             )
-    key = tuple((group, str(option)) for group, option in choices.items())
-    return copy.deepcopy(_shipped_node(key, _job_name()))
+    # Only shipped options pick anything in the shipped files: the node of a run that picks
+    # its own experiment is the node of every other run with the same shipped options.
+    shipped = tuple(
+        (group, option) for group, option in choices.items() if _ships(loader, group, option)
+    )
+    return copy.deepcopy(_shipped_node(shipped, _job_name()))
 
 
 def _job_name() -> str | None:
@@ -243,9 +247,10 @@ def _job_name() -> str | None:
 
 @functools.cache
 def _shipped_node(choices: tuple[tuple[str, str], ...], job_name: str | None) -> dict[str, Any]:
-    """(job_name: hydra.job.name comes from Hydra's process-wide state, a key of the cache.)"""
+    """(choices: shipped options only. job_name: hydra.job.name comes from Hydra's
+    process-wide state, a key of the cache.)"""
     loader = _shipped_loader()
-    picked = [f"{group}={option}" for group, option in choices if _ships(loader, group, option)]
+    picked = [f"{group}={option}" for group, option in choices]
     try:
         return _plain_node(loader.load_configuration("config", picked, run_mode=RunMode.RUN))
     except Exception:  # noqa: BLE001 (a group only a user's file brings in: picked below)
