@@ -202,6 +202,23 @@ def test_a_run_dir_from_a_file_with_an_interpolation_passes(tmp_path):
     check_composed_hydra_node(experiment(tmp_path, body, "mine"))
 
 
+def test_a_bad_node_in_a_file_is_refused_after_one_composition(tmp_path, monkeypatch):
+    """A refused node costs one composition (0.2 s), not the three a passing check makes: the
+    composition that finds the run mode is checked too, and the shipped node it is compared
+    with is the one every run with the same shipped options shares."""
+    check_composed_hydra_node(experiment(tmp_path / "fine", "optimizer:\n  lr: 0.5\n", "fine"))
+    composed = []
+    compose = ConfigLoaderImpl.load_configuration
+
+    def counted(self, *args, **kwargs):
+        composed.append(args)
+        return compose(self, *args, **kwargs)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counted)
+    message = refusal(experiment(tmp_path / "evil", "hydra:\n  job:\n    chdir: true\n"))
+    assert "hydra.job.chdir" in message and len(composed) == 1
+
+
 # --- the class: every key of the shipped node, through every door ----------------------------
 # The shipped node of each family of Hydra's options (launchers, sweepers, logging).
 CONTEXTS = ([], ["launcher=slurm"], ["hydra/sweeper=optuna"], ["hydra/job_logging=default"])
