@@ -52,8 +52,8 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
     mode, overrides, mode_composition = _found_mode(loader, args)
     if mode_composition is not None:
         # The same files and command line as the run's own composition, less hydra.mode: a
-        # bad node is refused one composition (0.3 s) sooner. Passing it proves nothing: the
-        # run's composition is checked below.
+        # bad node is refused one composition sooner. Passing here proves nothing: the run's
+        # own composition is checked below.
         _check_hydra_node(mode_composition, args.overrides)
     validated = None
     for cfg, used in _compositions(loader, args, mode, overrides):

@@ -24,14 +24,20 @@ pytestmark = pytest.mark.slow
 UV = os.environ.get("UV") or shutil.which("uv")
 
 
-# Not a shell's either: these machines set PYTHONDONTWRITEBYTECODE, and a fresh venv holds no
-# bytecode, so every process of every command here would compile torch's modules again.
-NOT_A_SHELLS = {*DIST_ENV_VARS, "VIRTUAL_ENV", "PYTHONPATH", "UV_PROJECT_ENVIRONMENT"}
-NOT_A_SHELLS.add("PYTHONDONTWRITEBYTECODE")
+# This checkout's venv, test run and job variables, and PYTHONDONTWRITEBYTECODE: these machines
+# set it, and a fresh venv holds no bytecode, so every process of every command here would
+# compile torch's modules again.
+NOT_A_SHELLS = {
+    *DIST_ENV_VARS,
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+    "UV_PROJECT_ENVIRONMENT",
+    "PYTHONDONTWRITEBYTECODE",
+}
 
 
 def user_env() -> dict[str, str]:
-    """A shell's environment: none of this checkout's venv, test run or job variables."""
+    """A shell's environment: none of NOT_A_SHELLS."""
     return {
         name: value
         for name, value in os.environ.items()
