@@ -50,10 +50,13 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
     setup_globals()  # Hydra's resolvers (now, hydra), which Hydra registers when it starts
     loader = ConfigLoaderImpl(config_search_path=search_path(args))
     mode, overrides, mode_composition = _found_mode(loader, args)
-    if mode_composition is not None:
+    if mode_composition is not None and not OmegaConf.missing_keys(
+        mode_composition.hydra.runtime.choices
+    ):
         # The same files and command line as the run's own composition, less hydra.mode: a
         # bad node is refused one composition sooner. Passing here proves nothing: the run's
-        # own composition is checked below.
+        # own composition is checked below. (A group left `???` is skipped in this one, and
+        # the run's composition fails in Hydra, with Hydra's message.)
         _check_hydra_node(mode_composition, args.overrides)
     validated = None
     for cfg, used in _compositions(loader, args, mode, overrides):

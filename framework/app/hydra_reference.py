@@ -63,7 +63,7 @@ def check_hydra_settings(cfg: DictConfig, overrides: list[str], trusted: tuple[s
     the overrides is what `overrides` make it (a config file cannot write it)."""
     _check_override_record(cfg, overrides)
     real = _plain_node(cfg)
-    reference = shipped_node(dict(cfg.hydra.runtime.choices))
+    reference = shipped_node(_choices(cfg))
     changed = [path for path in _changed(real, reference) if not _hydra_writes(path)]
     for path in changed:
         if not settable(path):
@@ -73,6 +73,14 @@ def check_hydra_settings(cfg: DictConfig, overrides: list[str], trusted: tuple[s
         problem = _area_problem(area, resolving.value(area), trusted)
         if problem:
             raise ConfigError(problem)
+
+
+def _choices(cfg: DictConfig) -> dict[str, Any]:
+    """group: option as composed; None for a group whose default is missing (`???`), which
+    Hydra skips while it composes a sweep's master config and refuses in each job."""
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices, resolve=False)
+    assert isinstance(choices, dict)
+    return {group: None if option == "???" else option for group, option in choices.items()}
 
 
 def _hydra_writes(path: str) -> bool:
