@@ -205,17 +205,24 @@ def test_hydra_config_mistakes_are_one_error_line_with_exit_2(cli, tmp_path):
     assert "HYDRA_FULL_ERROR" not in os.environ
 
 
-@pytest.mark.parametrize("sweep", [[], ["-m"]], ids=["run", "sweep"])
-def test_a_missing_group_default_is_one_line_with_exit_2(cli, tmp_path, sweep):
-    """A primary config with `model: ???`: Hydra skips the group while it composes a sweep's
-    master config (and while it finds the run mode), so the checks of Hydra's node meet a
-    missing choice before Hydra refuses the composition."""
+@pytest.mark.parametrize(
+    ("sweep", "expected"),
+    [([], "You must specify 'model'"), (["-m"], "Missing mandatory value: model")],
+    ids=["run", "sweep"],
+)
+def test_a_missing_group_default_is_one_line_with_exit_2(cli, tmp_path, sweep, expected):
+    """A primary config with `model: ???` and a run dir that reads the model: Hydra skips the
+    group while it composes a sweep's master config (and while it finds the run mode), so the
+    checks of Hydra's node meet a missing choice before Hydra refuses the composition."""
     config = (REPO / "conf" / "config.yaml").read_text().replace("- model: cnn", "- model: ???")
+    run_dir = "dir: ${output_dir:${mode},${checkpoint.resume},${eval.split}}"
+    assert run_dir in config
+    config = config.replace(run_dir, "dir: outputs/${model.width}")
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "mine.yaml").write_text(config)
     result = cli(*sweep, "-cd", str(tmp_path / "conf"), "-cn", "mine", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr and "model" in result.stderr
+    assert expected in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
