@@ -88,7 +88,8 @@ def _found_mode(
     loader: ConfigLoaderImpl, args: argparse.Namespace
 ) -> tuple[RunMode, list[str], DictConfig | None]:
     """run_mode's answer, and the composition it read hydra.mode from (None when it composed
-    nothing or Hydra could not compose)."""
+    nothing, or Hydra could not compose or read hydra.mode: the run's composition then sets
+    it)."""
     overrides = list(args.overrides)
     if not args.multirun and (args.cfg or args.info or args.shell_completion):
         return RunMode.RUN, overrides, None
@@ -99,9 +100,9 @@ def _found_mode(
             run_mode=RunMode.MULTIRUN,
             validate_sweep_overrides=False,
         )
+        found = composed.hydra.mode
     except Exception:  # noqa: BLE001 (Hydra's get_mode also treats any failure as unset)
-        composed = None
-    found = composed.hydra.mode if composed is not None else None
+        composed, found = None, None
     if found is None or (args.multirun and found is RunMode.RUN):
         mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
         return mode, [*overrides, f"hydra.mode={mode.name}"], composed

@@ -26,8 +26,9 @@ from hydra._internal.utils import _locate, get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from framework.core.exits import ConfigError
+from framework.core.exits import ConfigError, first_line
 from framework.core.hydra_settings import refusal, settable
 from framework.core.signatures import definition_of, suggestion
 
@@ -215,7 +216,13 @@ def trusted_prefixes(cfg: DictConfig | Mapping) -> tuple[str, ...]:
     """allowed_targets, once each entry is known to be a module prefix of your own code: a
     config (perhaps a colleague's) can trust your code, never the libraries installed nor this
     framework's own tests and benchmarks (unless $FRAMEWORK_TRUSTED_PACKAGES names them)."""
-    extra = cfg.get("allowed_targets") or []
+    try:
+        extra = cfg.get("allowed_targets") or []
+    except OmegaConfBaseException as error:  # an interpolation that does not resolve
+        raise ConfigError(
+            f"allowed_targets cannot be resolved ({first_line(error)}): give a list of module "
+            "prefixes"
+        ) from None
     by_environment = trusted_by_environment(os.environ)
     for prefix in extra:
         if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z]\w*(\.[A-Za-z]\w*)*", prefix):

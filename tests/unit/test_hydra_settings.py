@@ -121,6 +121,16 @@ def test_a_mode_set_in_a_file_is_the_mode_checked(tmp_path):
     assert "hydra.job_logging.root cannot be set" in refusal(experiment(tmp_path, body))
 
 
+@pytest.mark.parametrize("sweep", [[], ["-m"]], ids=["run", "sweep"])
+def test_a_mode_that_cannot_be_read_is_unset_as_hydra_reads_it(tmp_path, monkeypatch, sweep):
+    """Hydra takes a hydra.mode it cannot read for unset, and the run's composition sets it:
+    the config is checked (and runs) as a plain run or sweep."""
+    monkeypatch.delenv("NO_SUCH_MODE", raising=False)
+    argv = experiment(tmp_path, "hydra:\n  mode: ${oc.env:NO_SUCH_MODE}\n", "mine")
+    check_command_line([*sweep, *argv])
+    check_composed_hydra_node([*sweep, *argv], app=True)
+
+
 def test_sweeper_params_cannot_add_logging_handlers(tmp_path):
     body = (
         "hydra:\n  sweeper:\n    params:\n      +hydra.job_logging.handlers.f: "

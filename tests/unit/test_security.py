@@ -173,6 +173,17 @@ def test_allowed_targets_never_trusts_this_repositorys_own_packages(entry, monke
         trusted_prefixes({"allowed_targets": [entry]})
 
 
+@pytest.mark.parametrize("sweep", [[], ["-m"]], ids=["run", "sweep"])
+def test_allowed_targets_that_cannot_be_resolved_is_one_refusal(tmp_path, monkeypatch, sweep):
+    monkeypatch.delenv("NO_SUCH_TARGETS", raising=False)
+    write_yaml(
+        tmp_path / "experiment" / "mine.yaml",
+        "# @package _global_\nallowed_targets: ${oc.env:NO_SUCH_TARGETS}\n",
+    )
+    with pytest.raises(ConfigError, match="allowed_targets cannot be resolved"):
+        check_composed_hydra_node([*sweep, "-cd", str(tmp_path), "experiment=mine"], app=True)
+
+
 def test_benchmarks_cannot_be_trusted_to_start_a_subprocess(tmp_path, monkeypatch):
     monkeypatch.delenv("FRAMEWORK_TRUSTED_PACKAGES", raising=False)
     write_yaml(
