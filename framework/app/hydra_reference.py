@@ -80,6 +80,9 @@ def _choices(cfg: DictConfig) -> dict[str, Any]:
     Hydra skips while it composes a sweep's master config and refuses in each job."""
     choices = OmegaConf.to_container(cfg.hydra.runtime.choices, resolve=False)
     assert isinstance(choices, dict)
+    for group, option in choices.items():
+        if option == "???" and group.startswith("hydra/"):  # (Hydra's node would lack it)
+            raise ConfigError(f"{group} is left ??? by a config file: pick one, {group}=<option>")
     return {group: None if option == "???" else option for group, option in choices.items()}
 
 

@@ -131,6 +131,16 @@ def test_a_mode_that_cannot_be_read_is_unset_as_hydra_reads_it(tmp_path, monkeyp
     check_composed_hydra_node([*sweep, *argv], app=True)
 
 
+def test_a_hydra_group_left_missing_in_a_sweep_is_named(tmp_path):
+    """Hydra composes a sweep's master config without it, so its node lacks the group's keys:
+    the refusal names the group to pick, not the keys."""
+    body = "defaults:\n  - override /hydra/launcher: ???\n"
+    message = refusal(["-m", *experiment(tmp_path, body)])
+    assert (
+        message == "hydra/launcher is left ??? by a config file: pick one, hydra/launcher=<option>"
+    )
+
+
 def test_sweeper_params_cannot_add_logging_handlers(tmp_path):
     body = (
         "hydra:\n  sweeper:\n    params:\n      +hydra.job_logging.handlers.f: "
