@@ -57,10 +57,10 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
         # bad node is refused one composition sooner. Passing here proves nothing: the run's
         # own composition is checked below. (A group left `???` is skipped in this one, and
         # the run's composition fails in Hydra, with Hydra's message.)
-        _check_hydra_node(mode_composition, args.overrides)
+        _check_composed_node(mode_composition, args.overrides)
     validated = None
     for cfg, used in _compositions(loader, args, mode, overrides):
-        _check_hydra_node(cfg, used)
+        _check_composed_node(cfg, used)
         remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
         if app and mode is RunMode.RUN and not args.cfg:  # (a sweep: each job, in Hydra)
             _validate(cfg)
@@ -68,7 +68,9 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
     return validated
 
 
-def _check_hydra_node(cfg: DictConfig, overrides: list[str]) -> None:
+def _check_composed_node(cfg: DictConfig, overrides: list[str]) -> None:
+    """Hydra's node of one composition (made with `overrides`): what it calls, and every key
+    it changes from the shipped node."""
     hydra_node = OmegaConf.to_container(cfg.hydra, resolve=False)
     assert isinstance(hydra_node, dict)
     trusted = trusted_prefixes(cfg)
