@@ -8,6 +8,7 @@ finish (finish.py). This module reads the whole config; what it builds gets its 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -76,10 +77,9 @@ def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[
             # imported object, judged again before anything is instantiated.
             check_targets(cfg, shipped_targets(), by_import=True)
             log_layout(cfg, env, device, backend, run)
-            parts = build_parts(cfg, env, device)
-            if cfg.mode == "eval":
-                return evaluate_checkpoint(parts, eval_request(cfg), run, env)
-            return train(cfg, parts, run, env, backend, requests)
+            summary = build_and_run(cfg, run, env, device, backend, requests)
+            gc.collect()  # DDP sits in reference cycles: freed now, before the group
+            return summary
     except Stopped as stop:
         if env.is_main:
             log.warning("%s. %s", stop, stop_hint(cfg, run_dir, env))
@@ -90,6 +90,25 @@ def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[
         raise
     finally:
         requests.uninstall()
+
+
+def build_and_run(
+    cfg: DictConfig,
+    run: RunDir,
+    env: DistEnv,
+    device: torch.device,
+    backend: str,
+    requests: StopRequests,
+) -> dict[str, Any] | None:
+    """Build the parts and train (or evaluate). The parts are freed as this returns, while the
+    process group still exists: DDP's reducer freed after destroy_process_group drops the
+    group's last reference and destroys it holding the GIL, while gloo's thread waits for the
+    GIL to drop the tensors of its last work. That deadlock left 4 of 12 two-rank `mode=eval`
+    commands hanging at their end, their work done."""
+    parts = build_parts(cfg, env, device)
+    if cfg.mode == "eval":
+        return evaluate_checkpoint(parts, eval_request(cfg), run, env)
+    return train(cfg, parts, run, env, backend, requests)
 
 
 def stop_hint(cfg: DictConfig, run_dir: Path, env: DistEnv) -> str:
