@@ -45,6 +45,33 @@ USER_SETTINGS = ("WANDB_", "MLFLOW_", "HYDRA_FULL_ERROR", "FRAMEWORK_CONFIG_PATH
 os.environ["FRAMEWORK_TRUSTED_PACKAGES"] = "tests"
 
 
+# A sitecustomize for PYTHONPATH: importing torch (or torchvision) fails in the interpreters a
+# command starts, while its source stays where the callables' signatures are read from. `spared`:
+# a word of the command line of the interpreters that may import it (the fork server's).
+IMPORT_GUARD = """
+import sys
+
+
+class RefuseTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {{"torch", "torchvision"}}:
+            raise ImportError(f"{{name}} was imported")
+        return None
+
+
+if not any({spared!r} in arg for arg in sys.orig_argv):
+    sys.meta_path.insert(0, RefuseTorch())
+"""
+
+
+def torch_refused(folder: Path, spared: str = "(no interpreter)") -> str:
+    """A PYTHONPATH entry under which importing torch fails, but in the interpreters whose
+    command line holds `spared`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(IMPORT_GUARD.format(spared=spared))
+    return str(folder)
+
+
 def make_cfg(*overrides: str) -> DictConfig:
     """The composed app config, exactly as `train` would see it (minus Hydra's own node)."""
     register_configs()

@@ -16,13 +16,9 @@ import torch
 import torch.distributed as dist
 
 from framework.core.launch_context import DistEnv
+from framework.core.stop_signals import stop_signal_names
 
 FORCE_AFTER_S = 2.0  # a second Ctrl-C this much later than the first one aborts at once
-
-
-def stop_signal_names(configured: list[str]) -> list[str]:
-    """The signals a run stops on: trainer.stop_signals, and always SIGINT (Ctrl-C)."""
-    return sorted({*configured, "SIGINT"})
 
 
 _RECEIVED: set[str] = set()  # signals are process-wide: so is the record of those that came

@@ -13,23 +13,8 @@ from pathlib import Path
 import pytest
 
 from framework.core.exits import ExitCode
-from tests.conftest import DIST_ENV_VARS
+from tests.conftest import DIST_ENV_VARS, torch_refused
 
-# Imported at start-up from PYTHONPATH: importing torch (or torchvision) then fails, while its
-# source stays where the callables' signatures are read from.
-IMPORT_GUARD = """
-import sys
-
-
-class RefuseTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "torchvision"}:
-            raise ImportError(f"{name} was imported")
-        return None
-
-
-sys.meta_path.insert(0, RefuseTorch())
-"""
 MISTAKES = [
     ("data.standardise=true", "error: data.standardise is not a setting of"),
     ("data.batch_size=abc", "data.batch_size"),
@@ -52,12 +37,10 @@ def command_env(**extra: str) -> dict[str, str]:
 def test_a_config_mistake_is_refused_before_anything_imports_torch(tmp_path, mistake, said):
     """A torch that cannot be imported shows whether anything tried: one rank, so no fork
     server imports it either."""
-    (tmp_path / "guard").mkdir()
-    (tmp_path / "guard" / "sitecustomize.py").write_text(IMPORT_GUARD)
     result = subprocess.run(
         [sys.executable, "-m", "framework.cli", "launcher.nproc_per_node=1", *mistake.split()],
         cwd=tmp_path,
-        env=command_env(PYTHONPATH=str(tmp_path / "guard")),
+        env=command_env(PYTHONPATH=torch_refused(tmp_path / "guard")),
         capture_output=True,
         text=True,
         timeout=120,

@@ -119,6 +119,16 @@ def test_a_failed_job_is_reported_in_the_summary_and_the_sweep_goes_on(cli, tmp_
     assert float(rows[1]["val/accuracy"]) > 0
 
 
+def test_what_a_refusing_rank_says_reaches_the_summary(cli, tmp_path):
+    """The ranks refuse the job themselves (the model does not fit the task): the reason they
+    leave in the store reaches the summary through its host (framework/launch/local)."""
+    result = cli("-m", "task=autoencoder", *TINY_CLI, cwd=tmp_path, timeout=240)
+    assert result.returncode == 1
+    [row] = summary_rows(sweep_dir(tmp_path))
+    assert row["status"] == "failed"
+    assert "task=autoencoder: the model returns float32 [32, 10]" in row["error"], row
+
+
 def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_values(cli, tmp_path):
     """Each rank is its own submitit task and composes the config itself; the run uses rank
     0's, and the end-of-run check (runner.check_replicas_agree) fails a job whose ranks

@@ -139,9 +139,13 @@ MISFITS = [
         ["at least 2 class logits", "task=regression"],
     ),
     (["objective=val/acuracy"], ["objective='val/acuracy' is not a metric", "val/accuracy"]),
-    (
+    (  # refused by the ranks after Hydra made the run dir: the dir is removed again
         ["task=autoencoder"],
-        ["task=autoencoder: the model returns float32 [32, 10]", "float32 [32, 1, 8, 8]"],
+        [
+            "task=autoencoder: the model returns float32 [32, 10]",
+            "float32 [32, 1, 8, 8]",
+            "must have its inputs' shape",
+        ],
     ),
 ]
 
@@ -157,4 +161,5 @@ def test_a_task_that_does_not_fit_exits_2_with_one_line_and_no_run_dir(
     for text in expected:
         assert text in errors[0], errors[0]
     assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 10, result.stderr[-3000:]
     assert not (tmp_path / "outputs").exists()

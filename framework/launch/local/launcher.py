@@ -1,4 +1,5 @@
-"""launcher=local: this process spawns the ranks and hosts their rendezvous store.
+"""launcher=local: this process forks the ranks from the fork server and waits for them. It never
+imports torch: the ranks' rendezvous store is hosted by a process forked for it (store_host.py).
 
 Workers receive the already-resolved config and the run directory; they never compose a
 config again.
@@ -7,7 +8,7 @@ config again.
 from __future__ import annotations
 
 import contextlib
-import logging
+import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
 import signal
@@ -16,39 +17,40 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import DictConfig
 
 from framework.core import startup_clock
 from framework.core.exits import root_cause
 from framework.core.launch_context import DistEnv
+from framework.core.stop_signals import stop_signal_names
 from framework.launch import forkserver
-from framework.launch.failure_store import failure_messages
-from framework.rank.stopping import stop_signal_names
+from framework.launch.local.store_host import hosted_store
 
 EXIT_GRACE_S = 3.0  # after a rank fails: time for the others to exit before SIGTERM, then SIGKILL
 
 
 def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
-    """nproc ranks spawned from this process, joined through a store it hosts."""
-    # After a rank fails, spawn's "Terminating process ... via SIGTERM" only adds noise.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    # Port 0: the OS picks a free port, so concurrent runs and tests never collide.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    """nproc ranks forked from the fork server, joined through a store a process of their own
+    hosts."""
     forkserver.warm_up()  # (already running when `train` started it)
-    context = mp.start_processes(
-        _local_worker,
-        args=(cfg, run_dir, store.port, nproc, *forkserver.launcher_context()),
-        nprocs=nproc,
-        join=False,
-        start_method=forkserver.START_METHOD,
-    )
+    context = multiprocessing.get_context(forkserver.START_METHOD)
     signals = stop_signal_names(list(cfg.trainer.stop_signals))
-    with _forward_signals(signals, [p.pid for p in context.processes]):
-        victims = _wait_for_ranks(context.processes)
-    codes = [process.exitcode for process in context.processes]
-    cause = root_cause(codes, victims, failure_messages(store, nproc))
+    with hosted_store(context, signals) as store:
+        ranks = [
+            context.Process(
+                target=_local_worker,
+                args=(rank, cfg, run_dir, store.port, nproc, *forkserver.launcher_context()),
+                name=f"rank {rank}",
+            )
+            for rank in range(nproc)
+        ]
+        for process in ranks:
+            process.start()
+        with _forward_signals(signals, [p.pid for p in ranks]):
+            victims = _wait_for_ranks(ranks)
+        messages = store.failure_messages(nproc)
+    codes = [process.exitcode for process in ranks]
+    cause = root_cause(codes, victims, messages)
     if cause is not None:
         raise cause
 
@@ -111,7 +113,9 @@ def _local_worker(
 ) -> None:
     forkserver.adopt(environ, cwd, stdio)
     startup_clock.mark("start ranks")
-    # Imported in the rank (the fork server has it loaded): the launcher never needs it.
+    # Imported in the rank (the fork server has them loaded): the launcher never imports torch.
+    import torch.distributed as dist
+
     from framework.launch.rank_entry import enter_rank
 
     env = DistEnv(

@@ -27,8 +27,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from framework.config.validation import node_range
 from framework.core import launch_context, startup_clock
 from framework.core.exits import Stopped, WorkerFailed, root_cause
+from framework.core.stop_signals import stop_signal_names
 from framework.launch import forkserver
-from framework.rank.stopping import stop_signal_names
 
 # The logger torch's agent reports a failed worker with (logger.exception).
 WORKER_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
