@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from framework.core.distributed import process_group
 from framework.core.launch_context import DistEnv
-from tests.conftest import TINY, make_cfg, prepare_run, spawn_ranks, start_ranks
+from tests.conftest import TINY, make_cfg, prepare_run, spawn_ranks, start_ranks, train_many
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -102,14 +102,16 @@ def _ddp_alive_when_the_group_is_destroyed(rank: int, port: int, cfg, run_dir, r
         dist.destroy_process_group = destroy
 
 
-def test_ddp_is_freed_before_its_process_group_is_destroyed(tmp_path):
+def test_an_evaluations_ddp_is_freed_before_its_process_group_is_destroyed(tmp_path):
     """DDP's reducer freed after destroy_process_group destroys the group holding the GIL while
     gloo's thread waits for it: 4 of 12 two-rank `train mode=eval` commands hung at their end."""
-    cfg = make_cfg(*TINY, "trainer.max_steps=2")
-    prepare_run(cfg, tmp_path / "run")
+    train_many([(make_cfg(*TINY, "trainer.max_steps=2"), tmp_path / "run")])
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
+    cfg = make_cfg(*TINY, "trainer.max_steps=2", "mode=eval", f"checkpoint.resume={checkpoint}")
+    prepare_run(cfg, tmp_path / "eval")
     results = mp.Manager().dict()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     start_ranks(
-        _ddp_alive_when_the_group_is_destroyed, (store.port, cfg, tmp_path / "run", results)
+        _ddp_alive_when_the_group_is_destroyed, (store.port, cfg, tmp_path / "eval", results)
     )
     assert dict(results) == {0: 0, 1: 0}
