@@ -1,8 +1,8 @@
 """The rendezvous store of launcher=local's ranks, hosted by a process of its own that is forked
 from the fork server (which has torch imported), so that the launcher never imports torch: it
-only waits, and torch would cost it 2.6 s of CPU at start and hold about 450 MB for the whole
-run. The host outlives a failed rank, so the reason that rank left in the store
-(failure_store.py) still reaches the launcher's root cause.
+only waits, and torch cost it about 3 s of CPU at start and 620 MB held for the whole run
+(docs/benchmarks.md, the suite's fifth round). The host outlives a failed rank, so the reason
+that rank left in the store (failure_store.py) still reaches the launcher's root cause.
 
 The host talks to the launcher through a pipe: it sends the store's port, then answers one
 question (what did the ranks say before they failed?) and leaves. It leaves as soon as the
@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from framework.core.exits import WorkerFailed
 from framework.launch.failure_store import failure_messages
 
 
@@ -58,7 +59,7 @@ def _port_or_exit(connection: Connection, process: Any) -> int:
     try:
         return connection.recv()
     except EOFError:
-        raise RuntimeError(
+        raise WorkerFailed(
             f"the ranks' store did not start (its process exited with code {process.exitcode})"
         ) from None
 
