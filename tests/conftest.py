@@ -46,8 +46,8 @@ os.environ["FRAMEWORK_TRUSTED_PACKAGES"] = "tests"
 
 
 # A sitecustomize for PYTHONPATH: importing torch (or torchvision) fails in the interpreters a
-# command starts, while its source stays where the callables' signatures are read from. `spared`:
-# a word of the command line of the interpreters that may import it (the fork server's).
+# command starts, while its source stays where the callables' signatures are read from. SPARED:
+# a word of the command line of the interpreters that may import it (the fork server's), or None.
 IMPORT_GUARD = """
 import sys
 
@@ -59,14 +59,15 @@ class RefuseTorch:
         return None
 
 
-if not any({spared!r} in arg for arg in sys.orig_argv):
+SPARED = {spared!r}
+if SPARED is None or not any(SPARED in arg for arg in sys.orig_argv):
     sys.meta_path.insert(0, RefuseTorch())
 """
 
 
-def torch_refused(folder: Path, spared: str = "(no interpreter)") -> str:
-    """A PYTHONPATH entry under which importing torch fails, but in the interpreters whose
-    command line holds `spared`."""
+def torch_refused(folder: Path, spared: str | None = None) -> str:
+    """A PYTHONPATH entry under which importing torch fails, but (where given) in the
+    interpreters whose command line holds `spared`."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(IMPORT_GUARD.format(spared=spared))
     return str(folder)

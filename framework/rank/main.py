@@ -101,9 +101,9 @@ def build_and_run(
     returns, while the process group still exists: DDP's reducer freed after
     destroy_process_group drops the group's last reference and destroys it holding the GIL,
     while gloo's thread waits for the GIL to drop the tensors of its last work. That deadlock
-    left 4 of 12 two-rank `mode=eval` commands hanging at their end, their work done. (Training
-    keeps DDP in reference cycles that nothing collects before a rank's process leaves;
-    collecting them here instead made a run with persistent DataLoader workers 15 s longer.)"""
+    left 4 of 12 two-rank `mode=eval` commands hanging at their end, their work done. Training's
+    DDP sits in reference cycles, which nothing collects before a rank's process leaves; a
+    collection here would also shut down persistent DataLoader workers (15 s: three joins)."""
     parts = build_parts(cfg, env, device)
     if cfg.mode == "eval":
         return evaluate_checkpoint(parts, eval_request(cfg), run, env)
