@@ -26,14 +26,29 @@ def run(tmp_path, name: str, *overrides: str) -> tuple[dict, list[float]]:
     return summary, train_losses(run_dir)
 
 
-def test_two_ranks_at_batch_b_match_one_rank_at_batch_2b(tmp_path):
-    _, two_ranks = run(tmp_path, "ddp", "launcher.nproc_per_node=2", "data.batch_size=8")
-    _, one_rank = run(tmp_path, "single", "launcher.nproc_per_node=1", "data.batch_size=16")
-    assert len(two_ranks) == len(one_rank) == 12
-    torch.testing.assert_close(two_ranks, one_rank, rtol=1e-5, atol=0)
+ONE_RANK = ("launcher.nproc_per_node=1", "data.batch_size=16")
+TWO_RANKS = ("launcher.nproc_per_node=2", "data.batch_size=8")
 
 
-def test_grad_accumulation_matches_the_larger_batch(tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> tuple[dict, list[float]]:
+    """The reference every parity test compares with: 1 rank at batch 16."""
+    return run(tmp_path_factory.mktemp("one_rank"), "single", *ONE_RANK)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[dict, list[float]]:
+    """2 ranks at batch 8 each: the same global batch as one_rank."""
+    return run(tmp_path_factory.mktemp("two_ranks"), "ddp", *TWO_RANKS)
+
+
+def test_two_ranks_at_batch_b_match_one_rank_at_batch_2b(two_ranks, one_rank):
+    (_, two_rank_losses), (_, one_rank_losses) = two_ranks, one_rank
+    assert len(two_rank_losses) == len(one_rank_losses) == 12
+    torch.testing.assert_close(two_rank_losses, one_rank_losses, rtol=1e-5, atol=0)
+
+
+def test_grad_accumulation_matches_the_larger_batch(tmp_path, one_rank):
     """The accumulation derived from trainer.global_batch_size: 16 / (8 per rank x 1 rank)."""
     summary, accum = run(
         tmp_path,
@@ -42,16 +57,15 @@ def test_grad_accumulation_matches_the_larger_batch(tmp_path):
         "data.batch_size=8",
         "trainer.global_batch_size=16",
     )
-    _, big = run(tmp_path, "big", "launcher.nproc_per_node=1", "data.batch_size=16")
     assert summary["global_batch_size"] == 16
     assert (
         "global batch 16 = 8 per rank x 1 ranks x 2 accumulation"
         in (tmp_path / "accum" / "train.log").read_text()
     )
-    torch.testing.assert_close(accum, big, rtol=1e-5, atol=0)
+    torch.testing.assert_close(accum, one_rank[1], rtol=1e-5, atol=0)
 
 
-def test_two_rank_accumulation_matches_one_rank_batch_4b(tmp_path):
+def test_two_rank_accumulation_matches_one_rank_batch_4b(tmp_path, one_rank):
     _, ddp = run(
         tmp_path,
         "ddp_accum",
@@ -59,14 +73,12 @@ def test_two_rank_accumulation_matches_one_rank_batch_4b(tmp_path):
         "data.batch_size=4",
         "trainer.grad_accum=2",
     )
-    _, big = run(tmp_path, "big", "launcher.nproc_per_node=1", "data.batch_size=16")
-    torch.testing.assert_close(ddp, big, rtol=1e-5, atol=0)
+    torch.testing.assert_close(ddp, one_rank[1], rtol=1e-5, atol=0)
 
 
-def test_two_rank_evaluation_equals_one_rank_on_an_odd_sized_val_set(tmp_path):
+def test_two_rank_evaluation_equals_one_rank_on_an_odd_sized_val_set(two_ranks, one_rank):
     # 101 validation samples: rank 0 gets 51, rank 1 gets 50; no sample counted twice.
-    two, _ = run(tmp_path, "ddp", "launcher.nproc_per_node=2", "data.batch_size=8")
-    one, _ = run(tmp_path, "single", "launcher.nproc_per_node=1", "data.batch_size=16")
+    (two, _), (one, _) = two_ranks, one_rank
     assert two["val/accuracy"] == one["val/accuracy"]
     assert two["val/accuracy"] * 101 == pytest.approx(round(two["val/accuracy"] * 101))
     assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
@@ -129,12 +141,9 @@ def test_ema_clipping_and_ddp_options_run_together(tmp_path):
     assert summary["steps"] == 3 and all(torch.isfinite(torch.tensor(losses)))
 
 
-def test_ema_changes_what_is_evaluated(tmp_path):
-    plain, _ = run(tmp_path, "plain", "launcher.nproc_per_node=1", "data.batch_size=16")
-    ema, _ = run(
-        tmp_path, "ema", "launcher.nproc_per_node=1", "data.batch_size=16", "trainer.ema_decay=0.5"
-    )
-    assert ema["val/loss"] != plain["val/loss"]
+def test_ema_changes_what_is_evaluated(tmp_path, one_rank):
+    ema, _ = run(tmp_path, "ema", *ONE_RANK, "trainer.ema_decay=0.5")
+    assert ema["val/loss"] != one_rank[0]["val/loss"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; CUDA runs SyncBatchNorm")
@@ -155,9 +164,6 @@ def test_sync_batchnorm_on_cpu_is_refused_with_the_fix(tmp_path, capfd):
     assert "trainer.sync_batchnorm=false" in capfd.readouterr().err
 
 
-def test_torchrun_launcher_starts_ranks_through_the_elastic_agent(tmp_path):
-    _, elastic = run(
-        tmp_path, "elastic", "launcher=torchrun", "launcher.nproc_per_node=2", "data.batch_size=8"
-    )
-    _, local = run(tmp_path, "local", "launcher.nproc_per_node=2", "data.batch_size=8")
-    assert elastic == local
+def test_torchrun_launcher_starts_ranks_through_the_elastic_agent(tmp_path, two_ranks):
+    _, elastic = run(tmp_path, "elastic", "launcher=torchrun", *TWO_RANKS)
+    assert elastic == two_ranks[1]
