@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -164,6 +166,14 @@ def test_sync_batchnorm_on_cpu_is_refused_with_the_fix(tmp_path, capfd):
     assert "trainer.sync_batchnorm=false" in capfd.readouterr().err
 
 
-def test_torchrun_launcher_starts_ranks_through_the_elastic_agent(tmp_path, two_ranks):
+def test_torchrun_launcher_trains_as_local_and_leaves_no_torchelastic_folder(
+    tmp_path, monkeypatch, two_ranks
+):
+    """The elastic agent runs in the launcher's process, so this process's temp dir (Python's
+    tempfile.tempdir: TMPDIR is read once) is where its folders would be left."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     _, elastic = run(tmp_path, "elastic", "launcher=torchrun", *TWO_RANKS)
     assert elastic == two_ranks[1]
+    assert sorted(p.name for p in temp.iterdir() if "elastic" in p.name) == []

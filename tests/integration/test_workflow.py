@@ -6,7 +6,6 @@ optimizer parameter groups."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -320,14 +319,3 @@ def test_help_lists_the_groups_users_pick_from_and_no_schema(cli, tmp_path):
     assert "task: autoencoder, classification, language_model, regression" in groups
     assert "logger: csv, mlflow, none, tensorboard, wandb" in groups
     assert "schema" not in groups
-
-
-def test_launcher_torchrun_leaves_no_torchelastic_folder_behind(cli, tmp_path, monkeypatch):
-    """The elastic agent runs in the launcher's process, so this process's temp dir (Python's
-    tempfile.tempdir: TMPDIR is read once) is where its folders would be left."""
-    temp = tmp_path / "temp"
-    temp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    result = cli("launcher=torchrun", "trainer.max_steps=2", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(p.name for p in temp.iterdir() if "elastic" in p.name) == []
