@@ -211,10 +211,9 @@ def _wait_for(condition, node: subprocess.Popen, timeout_s: float, what: str) ->
     return time.monotonic() - started
 
 
-@pytest.mark.parametrize(
-    ("launch", "loss"),
-    [("launcher", "killed"), ("launcher", "unplugged"), ("script", "killed")],
-)
+# Each way to start the job and each way to lose a node, once: the survivor's agent restarts its
+# rank the same way whichever way the rank learned of the loss.
+@pytest.mark.parametrize(("launch", "loss"), [("launcher", "killed"), ("script", "unplugged")])
 def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint(
     two_hosts, tmp_path, cli, launch, loss
 ):
