@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import subprocess
@@ -14,6 +16,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
+from framework.app.config_search_path import CONFIG_PATH_VARIABLE
 from framework.config import CONF_DIR, validate
 from framework.config.registry import register_configs
 from framework.launch import forkserver
@@ -74,7 +77,15 @@ def torch_refused(folder: Path, spared: str | None = None) -> str:
 
 
 def make_cfg(*overrides: str) -> DictConfig:
-    """The composed app config, exactly as `train` would see it (minus Hydra's own node)."""
+    """The composed app config, exactly as `train` would see it (minus Hydra's own node): a copy
+    of this process's first composition with the same overrides, working dir (its conf/) and
+    $FRAMEWORK_CONFIG_PATH, the inputs of a composition besides the shipped files. A copy costs
+    13 ms, a composition 230 ms (in one counted run of the suite, 114 of 416 calls repeated one)."""
+    return copy.deepcopy(_composed(overrides, os.getcwd(), os.environ.get(CONFIG_PATH_VARIABLE)))
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...], cwd: str, config_path: str | None) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
