@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from sklearn.metrics import mean_absolute_error, r2_score
 from torch import nn
 
 from framework.components.data import PadSequences, load_splits, to_device
@@ -56,6 +55,9 @@ def test_classification_metrics_are_the_mean_cross_entropy_and_the_accuracy():
 
 
 def test_regression_r2_and_mae_match_scikit_learn():
+    # Imported here: scikit-learn costs each pytest worker about 2 s of collection otherwise.
+    from sklearn.metrics import mean_absolute_error, r2_score
+
     torch.manual_seed(0)
     model = FeedForward(in_features=3, out_features=1, hidden_sizes=[8], dropout=0.0).eval()
     features, targets = torch.randn(51, 3), torch.randn(51)
