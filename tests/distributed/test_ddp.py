@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -22,10 +23,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 PARITY = (*TINY, "model=mlp", "optimizer=sgd", "scheduler=constant", "trainer.max_steps=12")
 
 
-def run(tmp_path, name: str, *overrides: str) -> tuple[dict, list[float]]:
+class Run(NamedTuple):
+    summary: dict
+    losses: list[float]
+
+
+def run(tmp_path, name: str, *overrides: str) -> Run:
     run_dir = tmp_path / name
     summary = train_in_process(make_cfg(*PARITY, *overrides), run_dir)
-    return summary, train_losses(run_dir)
+    return Run(summary, train_losses(run_dir))
 
 
 ONE_RANK = ("launcher.nproc_per_node=1", "data.batch_size=16")
@@ -33,21 +39,20 @@ TWO_RANKS = ("launcher.nproc_per_node=2", "data.batch_size=8")
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory) -> tuple[dict, list[float]]:
+def one_rank(tmp_path_factory) -> Run:
     """The reference every parity test compares with: 1 rank at batch 16."""
     return run(tmp_path_factory.mktemp("one_rank"), "single", *ONE_RANK)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> tuple[dict, list[float]]:
+def two_ranks(tmp_path_factory) -> Run:
     """2 ranks at batch 8 each: the same global batch as one_rank."""
     return run(tmp_path_factory.mktemp("two_ranks"), "ddp", *TWO_RANKS)
 
 
 def test_two_ranks_at_batch_b_match_one_rank_at_batch_2b(two_ranks, one_rank):
-    (_, two_rank_losses), (_, one_rank_losses) = two_ranks, one_rank
-    assert len(two_rank_losses) == len(one_rank_losses) == 12
-    torch.testing.assert_close(two_rank_losses, one_rank_losses, rtol=1e-5, atol=0)
+    assert len(two_ranks.losses) == len(one_rank.losses) == 12
+    torch.testing.assert_close(two_ranks.losses, one_rank.losses, rtol=1e-5, atol=0)
 
 
 def test_grad_accumulation_matches_the_larger_batch(tmp_path, one_rank):
@@ -64,7 +69,7 @@ def test_grad_accumulation_matches_the_larger_batch(tmp_path, one_rank):
         "global batch 16 = 8 per rank x 1 ranks x 2 accumulation"
         in (tmp_path / "accum" / "train.log").read_text()
     )
-    torch.testing.assert_close(accum, one_rank[1], rtol=1e-5, atol=0)
+    torch.testing.assert_close(accum, one_rank.losses, rtol=1e-5, atol=0)
 
 
 def test_two_rank_accumulation_matches_one_rank_batch_4b(tmp_path, one_rank):
@@ -75,12 +80,12 @@ def test_two_rank_accumulation_matches_one_rank_batch_4b(tmp_path, one_rank):
         "data.batch_size=4",
         "trainer.grad_accum=2",
     )
-    torch.testing.assert_close(ddp, one_rank[1], rtol=1e-5, atol=0)
+    torch.testing.assert_close(ddp, one_rank.losses, rtol=1e-5, atol=0)
 
 
 def test_two_rank_evaluation_equals_one_rank_on_an_odd_sized_val_set(two_ranks, one_rank):
     # 101 validation samples: rank 0 gets 51, rank 1 gets 50; no sample counted twice.
-    (two, _), (one, _) = two_ranks, one_rank
+    two, one = two_ranks.summary, one_rank.summary
     assert two["val/accuracy"] == one["val/accuracy"]
     assert two["val/accuracy"] * 101 == pytest.approx(round(two["val/accuracy"] * 101))
     assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-5)
@@ -145,7 +150,7 @@ def test_ema_clipping_and_ddp_options_run_together(tmp_path):
 
 def test_ema_changes_what_is_evaluated(tmp_path, one_rank):
     ema, _ = run(tmp_path, "ema", *ONE_RANK, "trainer.ema_decay=0.5")
-    assert ema["val/loss"] != one_rank[0]["val/loss"]
+    assert ema["val/loss"] != one_rank.summary["val/loss"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; CUDA runs SyncBatchNorm")
@@ -175,5 +180,5 @@ def test_torchrun_launcher_trains_as_local_and_leaves_no_torchelastic_folder(
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     _, elastic = run(tmp_path, "elastic", "launcher=torchrun", *TWO_RANKS)
-    assert elastic == two_ranks[1]
+    assert elastic == two_ranks.losses
     assert sorted(p.name for p in temp.iterdir() if "elastic" in p.name) == []
