@@ -100,8 +100,8 @@ def build_and_run(
     """Build the parts and train (or evaluate). What only this frame holds is freed as it
     returns, while the process group still exists: DDP's reducer freed after
     destroy_process_group drops the group's last reference and destroys it holding the GIL,
-    while gloo's thread waits for the GIL to drop the tensors of its last work. That deadlock
-    left 4 of 12 two-rank `mode=eval` commands hanging at their end, their work done. Training's
+    while gloo's thread waits for the GIL to drop the tensors of its last work: a two-rank
+    `mode=eval` command would hang at its end, its work done. Training's
     DDP sits in reference cycles, which nothing collects before a rank's process leaves; a
     collection here would also shut down persistent DataLoader workers (15 s: three joins)."""
     parts = build_parts(cfg, env, device)
