@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
@@ -210,12 +209,6 @@ def pytest_configure(config) -> None:
         os.environ.pop(name, None)
     for name in [name for name in os.environ if name.startswith(USER_SETTINGS)]:
         os.environ.pop(name)  # the tests set what they test, whatever the user exported
-    # The workers share the cores as a run's local ranks do (limit_cpu_threads in
-    # framework/core/distributed.py): one thread each, and in every process they start (the
-    # commands, the fork server's ranks, SLURM's tasks). A rank alone in its run would take
-    # both cores, and its idle threads spin while the other worker's ranks wait for a core.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if _is_xdist_controller(config):
         return
     forkserver.warm_up()
