@@ -253,9 +253,10 @@ def our_options() -> list[tuple[str, str]]:
     ]
 
 
-@pytest.mark.parametrize(
-    ("group", "name"), our_options(), ids=[f"{g}/{n}" for g, n in our_options()]
-)
+OUR_OPTIONS = our_options()
+
+
+@pytest.mark.parametrize(("group", "name"), OUR_OPTIONS, ids=[f"{g}/{n}" for g, n in OUR_OPTIONS])
 def test_our_callables_hold_no_second_default_for_what_their_option_sets(group, name):
     """Each default once: in the option's YAML. Our own callable takes the value it is given."""
     node = option_node(group, name)
