@@ -36,26 +36,34 @@ CONFIG_MISTAKES = (ConfigCompositionException, MissingConfigException, OverrideP
 
 def run_with_exit_codes(app: Callable[[], Any]) -> None:
     """Run a `@hydra.main` app: Hydra's config mistakes exit 2, its other reports exit 1."""
-    wants_traceback = os.environ.get(FULL_ERROR) == "1"
+    wants_traceback = wants_hydras_traceback()
     try:
         with _environment(FULL_ERROR, "1"):
             app()
-    except CONFIG_MISTAKES as error:
+    except (*CONFIG_MISTAKES, yaml.YAMLError, OmegaConfBaseException) as error:
         if wants_traceback:
             raise
-        _leave(error, ExitCode.CONFIG_REJECTED)
-    except yaml.YAMLError as error:  # a config file that is not YAML
-        if wants_traceback:
-            raise
-        _leave(_yaml_mistake(error), ExitCode.CONFIG_REJECTED)
-    except OmegaConfBaseException as error:  # composing: a missing key, a wrong type
-        if wants_traceback:
-            raise
-        _leave(error, ExitCode.CONFIG_REJECTED)
+        _leave(config_mistake(error) or describe(error), ExitCode.CONFIG_REJECTED)
     except CompactHydraException as error:  # a message, not a bug (a failed job of a sweep)
         if wants_traceback:
             raise
-        _leave(error, ExitCode.FAILED)
+        _leave(describe(error), ExitCode.FAILED)
+
+
+def wants_hydras_traceback() -> bool:
+    """The user asked for Hydra's traceback of an error (HYDRA_FULL_ERROR=1)."""
+    return os.environ.get(FULL_ERROR) == "1"
+
+
+def config_mistake(error: Exception) -> str | None:
+    """The one line of a composition's error that is a config mistake (exit 2): an option that
+    does not exist, a value of the wrong type, an override or a file that does not parse, a
+    missing key. None for any other error."""
+    if isinstance(error, yaml.YAMLError):  # a config file that is not YAML
+        return describe(_yaml_mistake(error))
+    if isinstance(error, (*CONFIG_MISTAKES, OmegaConfBaseException)):
+        return describe(error)
+    return None
 
 
 def _yaml_mistake(error: yaml.YAMLError) -> Exception:
@@ -81,8 +89,8 @@ def describe(error: Exception) -> str:
     return message
 
 
-def _leave(error: Exception, code: ExitCode) -> NoReturn:
-    print(scrub(f"error: {describe(error)}"), file=sys.stderr, flush=True)
+def _leave(message: str, code: ExitCode) -> NoReturn:
+    print(scrub(f"error: {message}"), file=sys.stderr, flush=True)
     raise SystemExit(code) from None
 
 

@@ -27,6 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from framework.app.hydra_errors import config_mistake, wants_hydras_traceback
 from framework.app.hydra_reference import check_hydra_settings
 from framework.config import CONF_DIR, validate
 from framework.config.redaction import remember_secrets
@@ -54,9 +55,16 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
         mode_composition.hydra.runtime.choices
     ):
         # The same files and command line as the run's own composition, less hydra.mode: a
-        # bad node is refused one composition sooner. Passing here proves nothing: the run's
-        # own composition is checked below. (A group left `???` is skipped in this one, and
-        # the run's composition fails in Hydra, with Hydra's message.)
+        # mistake is refused one composition sooner (two, where the shipped node is not yet
+        # composed). Passing here proves nothing: the run's own composition is checked below.
+        # (A group left `???` is skipped in this one, and the run's composition fails in
+        # Hydra, with Hydra's message.)
+        if app and mode is RunMode.RUN and not _sweeps(args.overrides):
+            # Without a sweep override its app keys are the run's (Hydra's run mode only
+            # changes how sweeps and `???` groups compose), and validating reads files, runs
+            # nothing: a typo costs this one composition.
+            remember_secrets(mode_composition)  # (an error may quote a value)
+            _validate(mode_composition)
         _check_composed_node(mode_composition, args.overrides)
     validated = None
     for cfg, used in _compositions(loader, args, mode, overrides):
@@ -111,6 +119,10 @@ def _found_mode(
     return found, overrides, composed
 
 
+def _sweeps(overrides: list[str]) -> bool:
+    return any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides))
+
+
 def _validate(cfg: DictConfig) -> None:
     try:
         validate(cfg)
@@ -140,7 +152,11 @@ def _compositions(
     selects is composed once."""
     try:
         master = loader.load_configuration(args.config_name or "config", overrides, run_mode=mode)
-    except Exception:  # noqa: BLE001 (Hydra will refuse the same composition before calling anything)
+    except Exception as error:  # noqa: BLE001 (Hydra would refuse the same composition)
+        # Hydra's message, exit 2, without Hydra's own two compositions first; anything else
+        # (and a user's HYDRA_FULL_ERROR=1) is left to Hydra, which reports it its way.
+        if (mistake := config_mistake(error)) is not None and not wants_hydras_traceback():
+            raise ConfigError(mistake) from None
         return
     yield master, overrides
     if mode is RunMode.RUN:

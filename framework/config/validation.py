@@ -24,7 +24,7 @@ from framework.config.option_keys import check_target_keys
 from framework.config.registry import shipped_choice, shipped_targets
 from framework.config.resolvers import gpu_count
 from framework.core import launch_context
-from framework.core.allowlist import check_targets
+from framework.core.allowlist import check_targets, trusted_prefixes
 from framework.core.exits import ConfigError
 from framework.core.signatures import class_literal
 
@@ -71,11 +71,12 @@ TYPED_SECTIONS = {
 
 def validate(cfg: DictConfig) -> None:
     """Check rules that span keys. Raises ConfigError with the setting and the fix."""
+    trusted_prefixes(cfg)  # first: an allowed_targets that does not resolve says so, by name
     _check_groups_name_their_builder(cfg)
     _check_nothing_missing(cfg)
     _check_no_unknown_keys(cfg)
     check_targets(cfg, shipped_targets())
-    check_target_keys(cfg)  # (after the allowlist: it imports the targets)
+    check_target_keys(cfg)  # (after the allowlist: it reads the targets' source)
     _check_mode(cfg)
     _check_trainer(cfg.trainer)
     _check_checkpoint(cfg.checkpoint, sharded_checkpoints(cfg))

@@ -98,8 +98,9 @@ def test_an_interpolation_into_hydras_node_is_judged_resolved(tmp_path, body, ex
 def test_a_callback_reached_through_an_interpolation_is_judged_by_what_it_resolves_to(tmp_path):
     body = "data:\n  evil: {_target_: builtins.open, file: victim.txt, mode: w}\n"
     body += "hydra:\n  callbacks:\n    evil: ${data.evil}\n"
-    message = refusal(experiment(tmp_path, body))
-    assert "hydra.callbacks.evil._target_=builtins.open is not allowed here" in message
+    # (`train` refuses data.evil first, as an app key: the node's own check, alone, here)
+    message = refusal_or_none(experiment(tmp_path, body))
+    assert message and "hydra.callbacks.evil._target_=builtins.open is not allowed here" in message
 
 
 def test_hydra_mode_multirun_on_the_command_line_checks_every_swept_experiment(tmp_path):
@@ -202,7 +203,7 @@ def test_a_config_file_cannot_write_hydras_record_of_the_overrides(tmp_path):
     "argv",
     [
         [],
-        ["hydra.run.dir=outputs/x", "hydra.job.env_set={OMP_NUM_THREADS:1}"],
+        ["hydra.run.dir=outputs/x", "+hydra.job.env_set.OMP_NUM_THREADS=1"],
         ["-m", "optimizer.lr=0.1,0.05", "hydra.sweep.dir=multirun/x", "hydra.sweep.subdir=j"],
         ["launcher=slurm", "+hydra.launcher.additional_parameters.mail-type=END"],
         ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0"],
@@ -222,11 +223,9 @@ def test_a_run_dir_from_a_file_with_an_interpolation_passes(tmp_path):
     check_composed_hydra_node(experiment(tmp_path, body, "mine"))
 
 
-def test_a_bad_node_in_a_file_is_refused_after_one_composition(tmp_path, monkeypatch):
-    """A refused node costs one composition (0.2 s), not the three a passing check makes: the
-    composition that finds the run mode is checked too, and the shipped node it is compared
-    with is the one every run with the same shipped options shares."""
-    check_composed_hydra_node(experiment(tmp_path / "fine", "optimizer:\n  lr: 0.5\n", "fine"))
+@pytest.fixture
+def compositions(monkeypatch) -> list[tuple]:
+    """The compositions made from here on (Hydra's load_configuration calls)."""
     composed = []
     compose = ConfigLoaderImpl.load_configuration
 
@@ -235,8 +234,39 @@ def test_a_bad_node_in_a_file_is_refused_after_one_composition(tmp_path, monkeyp
         return compose(self, *args, **kwargs)
 
     monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counted)
+    return composed
+
+
+def test_a_bad_node_in_a_file_is_refused_after_one_composition(tmp_path, compositions):
+    """A refused node costs one composition (0.2 s), not the three a passing check makes: the
+    composition that finds the run mode is checked too, and the shipped node it is compared
+    with is the one every run with the same shipped options shares."""
+    check_composed_hydra_node(experiment(tmp_path / "fine", "optimizer:\n  lr: 0.5\n", "fine"))
+    compositions.clear()
     message = refusal(experiment(tmp_path / "evil", "hydra:\n  job:\n    chdir: true\n"))
-    assert "hydra.job.chdir" in message and len(composed) == 1
+    assert "hydra.job.chdir" in message and len(compositions) == 1
+
+
+def test_a_mistake_in_the_apps_keys_is_refused_after_one_composition(compositions):
+    """The composition that finds the run mode is validated before anything else: a typo is
+    refused before the shipped node and the run's own composition are composed."""
+    message = refusal(["data.standardise=true"])
+    assert message.startswith("data.standardise is not a setting of") and len(compositions) == 1
+
+
+def test_a_composition_hydra_refuses_is_refused_with_hydras_message_before_hydra_starts(
+    monkeypatch,
+):
+    """The composition the check makes is Hydra's own: its error, in Hydra's words, needs no
+    start of Hydra and two more compositions. HYDRA_FULL_ERROR=1 leaves it to Hydra, which then
+    shows its traceback."""
+    message = refusal(["data.batch_size=abc"])
+    assert message == (
+        "Error merging override data.batch_size=abc: "
+        "Value 'abc' of type 'str' could not be converted to Integer"
+    )
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    assert check_composed_hydra_node(["data.batch_size=abc"], app=True) is None
 
 
 # --- the class: every key of the shipped node, through every door ----------------------------
