@@ -119,6 +119,11 @@ def _found_mode(
     return found, overrides, composed
 
 
+def _composes_the_run(args: argparse.Namespace) -> bool:
+    """Hydra will compose these arguments as the run's (or a sweep's, or --cfg's) config."""
+    return not (args.info or args.shell_completion)
+
+
 def _sweeps(overrides: list[str]) -> bool:
     return any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides))
 
@@ -154,8 +159,10 @@ def _compositions(
         master = loader.load_configuration(args.config_name or "config", overrides, run_mode=mode)
     except Exception as error:  # noqa: BLE001 (Hydra would refuse the same composition)
         # Hydra's message, exit 2, without Hydra's own two compositions first; anything else
-        # (and a user's HYDRA_FULL_ERROR=1) is left to Hydra, which reports it its way.
-        if (mistake := config_mistake(error)) is not None and not wants_hydras_traceback():
+        # (and a user's HYDRA_FULL_ERROR=1) is left to Hydra, which reports it its way. So are
+        # --info and shell completion, whose arguments (`-sc install=bash`) are not overrides.
+        mistake = config_mistake(error)
+        if mistake is not None and not wants_hydras_traceback() and _composes_the_run(args):
             raise ConfigError(mistake) from None
         return
     yield master, overrides

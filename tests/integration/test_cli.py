@@ -244,6 +244,16 @@ def test_hydra_full_error_still_shows_hydras_traceback(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_shell_completion_answers_whatever_has_been_typed(cli, tmp_path):
+    """Hydra's -sc reads its own arguments (install=bash, query=bash), not overrides, and tab
+    completion must answer a command line that does not compose yet."""
+    installed = cli("-sc", "install=bash", cwd=tmp_path)
+    assert installed.returncode == 0 and "hydra_bash_completion()" in installed.stdout
+    typed = {"COMP_LINE": "train data.batch_size=abc mod"}
+    query = cli("-sc", "query=bash", cwd=tmp_path, env=typed)
+    assert query.returncode == 0 and query.stdout.split() == ["model="], query.stderr
+
+
 def test_an_existing_run_dir_without_checkpoints_is_refused_and_left_untouched(cli, tmp_path):
     """(One with checkpoints is resumed instead: tests/integration/test_faults.py.)"""
     run_dir = tmp_path / "run"
