@@ -121,7 +121,7 @@ def _found_mode(
 
 def _composes_the_run(args: argparse.Namespace) -> bool:
     """Hydra will compose these arguments as the run's (or a sweep's, or --cfg's) config."""
-    return not (args.info or args.shell_completion)
+    return not (args.info or args.shell_completion or args.hydra_help)
 
 
 def _sweeps(overrides: list[str]) -> bool:
@@ -160,7 +160,8 @@ def _compositions(
     except Exception as error:  # noqa: BLE001 (Hydra would refuse the same composition)
         # Hydra's message, exit 2, without Hydra's own two compositions first; anything else
         # (and a user's HYDRA_FULL_ERROR=1) is left to Hydra, which reports it its way. So are
-        # --info and shell completion, whose arguments (`-sc install=bash`) are not overrides.
+        # Hydra's own commands: --info, --hydra-help (which composes no app config) and shell
+        # completion (whose arguments, `-sc install=bash`, are not overrides).
         mistake = config_mistake(error)
         if mistake is not None and not wants_hydras_traceback() and _composes_the_run(args):
             raise ConfigError(mistake) from None

@@ -244,9 +244,12 @@ def test_hydra_full_error_still_shows_hydras_traceback(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-def test_shell_completion_answers_whatever_has_been_typed(cli, tmp_path):
+def test_hydras_own_commands_answer_whatever_has_been_typed(cli, tmp_path):
     """Hydra's -sc reads its own arguments (install=bash, query=bash), not overrides, and tab
-    completion must answer a command line that does not compose yet."""
+    completion must answer a command line that does not compose yet; --hydra-help composes no
+    app config at all."""
+    hydra_help = cli("--hydra-help", "-cn", "nonexist", cwd=tmp_path)
+    assert hydra_help.returncode == 0 and "Hydra (" in hydra_help.stdout, hydra_help.stderr
     installed = cli("-sc", "install=bash", cwd=tmp_path)
     assert installed.returncode == 0 and "hydra_bash_completion()" in installed.stdout
     typed = {"COMP_LINE": "train data.batch_size=abc mod"}
