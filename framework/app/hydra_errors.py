@@ -32,6 +32,9 @@ from framework.core.secrets import scrub
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
 CONFIG_MISTAKES = (ConfigCompositionException, MissingConfigException, OverrideParseException)
+# What composing raises for a config mistake: Hydra's, a file that is not YAML, and OmegaConf's
+# (a missing key, a wrong type).
+COMPOSITION_MISTAKES = (*CONFIG_MISTAKES, yaml.YAMLError, OmegaConfBaseException)
 
 
 def run_with_exit_codes(app: Callable[[], Any]) -> None:
@@ -40,10 +43,10 @@ def run_with_exit_codes(app: Callable[[], Any]) -> None:
     try:
         with _environment(FULL_ERROR, "1"):
             app()
-    except (*CONFIG_MISTAKES, yaml.YAMLError, OmegaConfBaseException) as error:
+    except COMPOSITION_MISTAKES as error:
         if wants_traceback:
             raise
-        _leave(config_mistake(error) or describe(error), ExitCode.CONFIG_REJECTED)
+        _leave(_mistake_line(error), ExitCode.CONFIG_REJECTED)
     except CompactHydraException as error:  # a message, not a bug (a failed job of a sweep)
         if wants_traceback:
             raise
@@ -59,11 +62,11 @@ def config_mistake(error: Exception) -> str | None:
     """The one line of a composition's error that is a config mistake (exit 2): an option that
     does not exist, a value of the wrong type, an override or a file that does not parse, a
     missing key. None for any other error."""
-    if isinstance(error, yaml.YAMLError):  # a config file that is not YAML
-        return describe(_yaml_mistake(error))
-    if isinstance(error, (*CONFIG_MISTAKES, OmegaConfBaseException)):
-        return describe(error)
-    return None
+    return _mistake_line(error) if isinstance(error, COMPOSITION_MISTAKES) else None
+
+
+def _mistake_line(error: Exception) -> str:
+    return describe(_yaml_mistake(error) if isinstance(error, yaml.YAMLError) else error)
 
 
 def _yaml_mistake(error: yaml.YAMLError) -> Exception:

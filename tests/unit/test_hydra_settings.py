@@ -269,6 +269,14 @@ def test_a_composition_hydra_refuses_is_refused_with_hydras_message_before_hydra
     assert check_composed_hydra_node(["data.batch_size=abc"], app=True) is None
 
 
+def test_a_file_that_is_not_yaml_is_refused_naming_the_file_and_line(tmp_path):
+    message = refusal(experiment(tmp_path, "trainer: {max_steps: [1\n", "broken"))
+    assert message == (
+        f"{tmp_path}/experiment/broken.yaml, line 3 is not valid YAML: "
+        "expected ',' or ']', but got '<stream end>'"
+    )
+
+
 # --- the class: every key of the shipped node, through every door ----------------------------
 # The shipped node of each family of Hydra's options (launchers, sweepers, logging).
 CONTEXTS = ([], ["launcher=slurm"], ["hydra/sweeper=optuna"], ["hydra/job_logging=default"])
