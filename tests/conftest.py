@@ -201,21 +201,72 @@ def exit_code_of_train() -> int:
     return 0
 
 
+# `uv run pytest` alone runs the quick tests; the slow ones (multi-process, end to end: most of
+# the suite's CPU) run with --all, with a -m expression of one's own, or in the paths one names.
+# CI runs them all (.ci/run). README: Tests.
+QUICK_TESTS = "not slow"
+SLOW_LEFT_OUT = pytest.StashKey[bool]()
+MARK_EXPRESSION = "framework_mark_expression"
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--all",
+        action="store_true",
+        dest="run_all",
+        help="also run the tests marked slow (multi-process, end to end), as CI does",
+    )
+
+
 def pytest_configure(config) -> None:
     """The fork server the tests' ranks start from: its imports run while pytest collects, in
-    an environment outside any job. Not in pytest-xdist's controller, which runs no test: each
-    worker starts its own."""
+    an environment outside any job. Not in pytest-xdist's controller, which runs no test (each
+    worker starts its own), nor where tests are only collected."""
     for name in DIST_ENV_VARS:
         os.environ.pop(name, None)
     for name in [name for name in os.environ if name.startswith(USER_SETTINGS)]:
         os.environ.pop(name)  # the tests set what they test, whatever the user exported
-    if _is_xdist_controller(config):
+    if _is_xdist_worker(config):
+        config.option.markexpr = config.workerinput[MARK_EXPRESSION]
+    else:
+        _leave_slow_tests_out_unless_asked(config)
+    if _is_xdist_controller(config) or config.option.collectonly:
         return
     forkserver.warm_up()
 
 
+def _leave_slow_tests_out_unless_asked(config) -> None:
+    """Decided once, where the command line was typed: pytest-xdist's workers are handed the
+    resulting -m expression (pytest_configure_node)."""
+    asked = (
+        config.getoption("run_all")
+        or config.option.markexpr
+        or config.args_source is not pytest.Config.ArgsSource.TESTPATHS
+    )
+    config.stash[SLOW_LEFT_OUT] = not asked
+    if not asked:
+        config.option.markexpr = QUICK_TESTS
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    node.workerinput[MARK_EXPRESSION] = node.config.option.markexpr
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    if config.stash.get(SLOW_LEFT_OUT, False):
+        terminalreporter.write_line(
+            "The slow tests (multi-process, end to end) were left out: "
+            "`uv run pytest --all` runs them, as CI does."
+        )
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def _is_xdist_controller(config) -> bool:
-    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+    return not _is_xdist_worker(config) and getattr(config.option, "dist", "no") != "no"
 
 
 @pytest.fixture(autouse=True)
