@@ -253,6 +253,7 @@ def pytest_configure_node(node) -> None:
     node.workerinput[MARK_EXPRESSION] = node.config.option.markexpr
 
 
+@pytest.hookimpl(trylast=True)  # after the durations, where the run's last lines are read
 def pytest_terminal_summary(terminalreporter, config) -> None:
     if config.stash.get(SLOW_LEFT_OUT, False):
         terminalreporter.write_line(
