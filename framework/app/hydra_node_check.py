@@ -47,6 +47,7 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
     args = parsed_arguments(argv)
     if args is None or args.overrides is None:
         return None
+    check_hydra_flags(args)
     register_configs()  # the schemas the YAML files extend (train.py registers them too)
     setup_globals()  # Hydra's resolvers (now, hydra), which Hydra registers when it starts
     loader = ConfigLoaderImpl(config_search_path=search_path(args))
@@ -74,6 +75,40 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
             _validate(cfg)
             validated = cfg
     return validated
+
+
+def check_hydra_flags(args: argparse.Namespace) -> None:
+    """Hydra's own refusals of its flags, in Hydra's order (hydra/_internal/utils.py:_run_hydra),
+    as one line: Hydra raises them before it reports anything its way, as a traceback."""
+    if args.resolve and args.cfg is None and not args.help:
+        raise ConfigError("--resolve resolves what --cfg or --help shows: add --cfg job")
+    if args.hydra_help:  # Hydra answers it before it counts the commands
+        return
+    given = {
+        "--run": args.run,
+        "--multirun": args.multirun,
+        "--cfg": args.cfg is not None,
+        "--info": args.info is not None,
+        "--shell-completion": args.shell_completion,
+    }
+    if sum(given.values()) > 1:
+        named = " and ".join(flag for flag, on in given.items() if on)
+        raise ConfigError(f"{named}: Hydra runs one of {', '.join(given)} at a time: keep one")
+
+
+def composition_mistake(
+    error: Exception, loader: ConfigLoaderImpl, overrides: list[str]
+) -> str | None:
+    """The one line for an error of composing these overrides that is a config mistake, else
+    None. A config group set to null is one: Hydra says only that an override "must be a string
+    or a list", naming neither."""
+    if isinstance(error, ValueError):
+        for override in OverridesParser.create().parse_overrides(overrides):
+            group = override.key_or_group
+            if override.value() is None and (options := loader.get_group_options(group)):
+                choose = f"name one of its options ({', '.join(options)})"
+                return f"{override.input_line}: {group} is a config group: {choose}"
+    return config_mistake(error)
 
 
 def _check_composed_node(cfg: DictConfig, overrides: list[str]) -> None:
@@ -141,6 +176,8 @@ def search_path(args: argparse.Namespace) -> ConfigSearchPath:
     config_path = args.config_path if args.config_path is not None else str(CONF_DIR)
     found = create_automatic_config_search_path(str(APP_FILE), None, config_path)
     if args.config_dir is not None:
+        if not os.path.isdir(args.config_dir):  # Hydra's SearchPathException, exit 1
+            raise ConfigError(f"--config-dir {args.config_dir}: no such folder of config files")
         found.prepend(
             provider="command-line",
             path=f"file://{os.path.abspath(args.config_dir)}",
@@ -162,7 +199,7 @@ def _compositions(
         # (and a user's HYDRA_FULL_ERROR=1) is left to Hydra, which reports it its way. So are
         # Hydra's own commands: --info, --hydra-help (which composes no app config) and shell
         # completion (whose arguments, `-sc install=bash`, are not overrides).
-        mistake = config_mistake(error)
+        mistake = composition_mistake(error, loader, overrides)
         if mistake is not None and not wants_hydras_traceback() and _composes_the_run(args):
             raise ConfigError(mistake) from None
         return

@@ -28,17 +28,29 @@ MISTAKES = [
 ]
 
 
+# Hydra's own flags and commands, which Hydra itself refused with a traceback and exit 1.
+FLAG_MISTAKES = [
+    ("--resolve", "error: --resolve resolves what --cfg or --help shows: add --cfg job"),
+    ("-m --cfg job", "error: --multirun and --cfg: Hydra runs one of --run, --multirun, --cfg"),
+    ("--cfg job logger=null", "logger is a config group: name one of its options (csv, mlflow"),
+    ("-m logger=null", "logger=null: logger is a config group"),
+    ("--help model=nosuch", "Could not find 'model/nosuch'"),
+    ("--help data.batch_size=abc", "Error merging override data.batch_size=abc"),
+    ("--config-dir nope --cfg job", "error: --config-dir nope: no such folder of config files"),
+]
+
+
 def command_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in {*DIST_ENV_VARS, "PYTHONPATH"}}
     return {**env, **extra}
 
 
-@pytest.mark.parametrize(("mistake", "said"), MISTAKES, ids=[m for m, _ in MISTAKES])
-def test_a_config_mistake_is_refused_before_anything_imports_torch(tmp_path, mistake, said):
-    """A torch that cannot be imported shows whether anything tried: one rank, so no fork
-    server imports it either."""
+def refusal_without_torch(tmp_path: Path, command: str) -> str:
+    """The one line `train <command>` is refused with, in a new interpreter where torch cannot
+    be imported (which shows whether anything tried): one rank, so no fork server imports it
+    either. Exit 2 and no run dir are checked here."""
     result = subprocess.run(
-        [sys.executable, "-m", "framework.cli", "launcher.nproc_per_node=1", *mistake.split()],
+        [sys.executable, "-m", "framework.cli", *command.split(), "launcher.nproc_per_node=1"],
         cwd=tmp_path,
         env=command_env(PYTHONPATH=torch_refused(tmp_path / "guard")),
         capture_output=True,
@@ -48,8 +60,18 @@ def test_a_config_mistake_is_refused_before_anything_imports_torch(tmp_path, mis
     assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr[-3000:]
-    assert said in lines[0]
     assert not (tmp_path / "outputs").exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize(("mistake", "said"), MISTAKES, ids=[m for m, _ in MISTAKES])
+def test_a_config_mistake_is_refused_before_anything_imports_torch(tmp_path, mistake, said):
+    assert said in refusal_without_torch(tmp_path, mistake)
+
+
+@pytest.mark.parametrize(("command", "said"), FLAG_MISTAKES, ids=[c for c, _ in FLAG_MISTAKES])
+def test_a_mistake_with_hydras_flags_is_one_line_too(tmp_path, command, said):
+    assert said in refusal_without_torch(tmp_path, command)
 
 
 def marked_processes(mark: str) -> list[int]:
