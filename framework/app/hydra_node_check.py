@@ -17,6 +17,7 @@ import argparse
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.utils import create_automatic_config_search_path
@@ -70,6 +71,7 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
     validated = None
     for cfg, used in _compositions(loader, args, mode, overrides):
         _check_composed_node(cfg, used)
+        _check_shown_package(cfg, args)
         remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
         if app and mode is RunMode.RUN and not args.cfg:  # (a sweep: each job, in Hydra)
             _validate(cfg)
@@ -94,6 +96,28 @@ def check_hydra_flags(args: argparse.Namespace) -> None:
     if sum(given.values()) > 1:
         named = " and ".join(flag for flag, on in given.items() if on)
         raise ConfigError(f"{named}: Hydra runs one of {', '.join(given)} at a time: keep one")
+
+
+def _check_shown_package(cfg: DictConfig, args: argparse.Namespace) -> None:
+    """--cfg's --package names a key of what --cfg shows (Hydra's show_cfg: a key that is
+    missing or null is "not found", exit 1)."""
+    package = args.package
+    if args.cfg is None or package in (None, "_global_"):
+        return
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    if args.cfg == "job":
+        del node["hydra"]
+    elif args.cfg == "hydra":  # what Hydra's get_sanitized_hydra_cfg keeps
+        node = {"hydra": {k: v for k, v in node["hydra"].items() if "help" not in k}}
+    for part in package.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and node.get(part) is not None:
+            node = node[part]
+        else:
+            shows = f"`train --cfg {args.cfg}` shows the whole config"
+            what = "is null" if isinstance(node, dict) and part in node else "is not a key"
+            raise ConfigError(f"--package {package}: {part} {what}, nothing to show ({shows})")
 
 
 def composition_mistake(

@@ -28,7 +28,8 @@ MISTAKES = [
 ]
 
 
-# Hydra's own flags and commands, which Hydra itself refused with a traceback and exit 1.
+# Hydra's own flags and commands, which Hydra itself refused with a traceback (or a line of its
+# own) and exit 1.
 FLAG_MISTAKES = [
     ("--resolve", "error: --resolve resolves what --cfg or --help shows: add --cfg job"),
     ("-m --cfg job", "error: --multirun and --cfg: Hydra runs one of --run, --multirun, --cfg"),
@@ -37,6 +38,7 @@ FLAG_MISTAKES = [
     ("--help model=nosuch", "Could not find 'model/nosuch'"),
     ("--help data.batch_size=abc", "Error merging override data.batch_size=abc"),
     ("--config-dir nope --cfg job", "error: --config-dir nope: no such folder of config files"),
+    ("--cfg job -p model.nosuch", "error: --package model.nosuch: nosuch is not a key"),
 ]
 
 
