@@ -202,7 +202,8 @@ def exit_code_of_train() -> int:
 
 
 # `uv run pytest` alone runs the quick tests; the slow ones (multi-process, end to end: most of
-# the suite's CPU) run with --all, with a -m expression of one's own, or in the paths one names.
+# the suite's CPU) run with --all, a -m or -k expression of one's own, --lf, or in the paths one
+# names.
 # CI runs them all (.ci/run). README: Tests.
 QUICK_TESTS = "not slow"
 SLOW_LEFT_OUT = pytest.StashKey[bool]()
@@ -227,7 +228,7 @@ def pytest_configure(config) -> None:
     for name in [name for name in os.environ if name.startswith(USER_SETTINGS)]:
         os.environ.pop(name)  # the tests set what they test, whatever the user exported
     if _is_xdist_worker(config):
-        config.option.markexpr = config.workerinput[MARK_EXPRESSION]
+        config.option.markexpr = config.workerinput.get(MARK_EXPRESSION, config.option.markexpr)
     else:
         _leave_slow_tests_out_unless_asked(config)
     if _is_xdist_controller(config) or config.option.collectonly:
@@ -241,7 +242,9 @@ def _leave_slow_tests_out_unless_asked(config) -> None:
     asked = (
         config.getoption("run_all")
         or config.option.markexpr
-        or config.args_source is not pytest.Config.ArgsSource.TESTPATHS
+        or config.option.keyword  # -k: tests picked by name
+        or getattr(config.option, "lf", False)  # --lf: the last failures (with a cache)
+        or config.args_source is pytest.Config.ArgsSource.ARGS  # paths named
     )
     config.stash[SLOW_LEFT_OUT] = not asked
     if not asked:

@@ -17,7 +17,6 @@ import argparse
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.utils import create_automatic_config_search_path
@@ -99,25 +98,25 @@ def check_hydra_flags(args: argparse.Namespace) -> None:
 
 
 def _check_shown_package(cfg: DictConfig, args: argparse.Namespace) -> None:
-    """--cfg's --package names a key of what --cfg shows (Hydra's show_cfg: a key that is
-    missing or null is "not found", exit 1)."""
+    """--cfg's --package names a key of what --cfg shows: Hydra's show_cfg selects it and
+    prints "not found" with exit 1 where the selection is None (a missing or null key). A
+    selection that cannot resolve here (an interpolation of Hydra's runtime) is left to
+    Hydra."""
     package = args.package
-    if args.cfg is None or package in (None, "_global_"):
+    if args.cfg is None or args.hydra_help or package in (None, "_global_"):
         return
-    node: Any = OmegaConf.to_container(cfg, resolve=False)
-    if args.cfg == "job":
-        del node["hydra"]
-    elif args.cfg == "hydra":  # what Hydra's get_sanitized_hydra_cfg keeps
-        node = {"hydra": {k: v for k, v in node["hydra"].items() if "help" not in k}}
-    for part in package.split("."):
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif isinstance(node, dict) and node.get(part) is not None:
-            node = node[part]
-        else:
-            shows = f"`train --cfg {args.cfg}` shows the whole config"
-            what = "is null" if isinstance(node, dict) and part in node else "is not a key"
-            raise ConfigError(f"--package {package}: {part} {what}, nothing to show ({shows})")
+    shown = [key for key in cfg if (key == "hydra") == (args.cfg == "hydra")]
+    view = cfg if args.cfg == "all" else OmegaConf.masked_copy(cfg, shown)
+    if args.cfg == "hydra" and package.startswith(("hydra.help", "hydra.hydra_help")):
+        selected = None  # what Hydra's get_sanitized_hydra_cfg removes
+    else:
+        try:
+            selected = OmegaConf.select(view, package)
+        except Exception:  # noqa: BLE001 (Hydra resolves it with its runtime set, or reports it)
+            return
+    if selected is None:
+        shows = f"`train --cfg {args.cfg}` shows the whole config"
+        raise ConfigError(f"--package {package}: not a key, or null: nothing to show ({shows})")
 
 
 def composition_mistake(
@@ -126,10 +125,14 @@ def composition_mistake(
     """The one line for an error of composing these overrides that is a config mistake, else
     None. A config group set to null is one: Hydra says only that an override "must be a string
     or a list", naming neither."""
-    if isinstance(error, ValueError):
+    if isinstance(error, ValueError) and not isinstance(error, OmegaConfBaseException):
         for override in OverridesParser.create().parse_overrides(overrides):
+            if override.is_delete() or override.is_sweep_override():
+                continue
             group = override.key_or_group
-            if override.value() is None and (options := loader.get_group_options(group)):
+            if not isinstance(override.value(), (str, list)) and (
+                options := loader.get_group_options(group)
+            ):
                 choose = f"name one of its options ({', '.join(options)})"
                 return f"{override.input_line}: {group} is a config group: {choose}"
     return config_mistake(error)
@@ -200,7 +203,7 @@ def search_path(args: argparse.Namespace) -> ConfigSearchPath:
     config_path = args.config_path if args.config_path is not None else str(CONF_DIR)
     found = create_automatic_config_search_path(str(APP_FILE), None, config_path)
     if args.config_dir is not None:
-        if not os.path.isdir(args.config_dir):  # Hydra's SearchPathException, exit 1
+        if not os.path.isdir(os.path.abspath(args.config_dir)):  # Hydra: exit 1, as it reports
             raise ConfigError(f"--config-dir {args.config_dir}: no such folder of config files")
         found.prepend(
             provider="command-line",

@@ -38,7 +38,8 @@ FLAG_MISTAKES = [
     ("--help model=nosuch", "Could not find 'model/nosuch'"),
     ("--help data.batch_size=abc", "Error merging override data.batch_size=abc"),
     ("--config-dir nope --cfg job", "error: --config-dir nope: no such folder of config files"),
-    ("--cfg job -p model.nosuch", "error: --package model.nosuch: nosuch is not a key"),
+    ("--cfg job -p model.nosuch", "error: --package model.nosuch: not a key, or null"),
+    ("--cfg job ~logger optimizer=1", "error: optimizer=1: optimizer is a config group"),
 ]
 
 
