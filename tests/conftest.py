@@ -203,8 +203,7 @@ def exit_code_of_train() -> int:
 
 # `uv run pytest` alone runs the quick tests; the slow ones (multi-process, end to end: most of
 # the suite's CPU) run with --all, a -m or -k expression of one's own, --lf, or in the paths one
-# names.
-# CI runs them all (.ci/run). README: Tests.
+# names. CI runs them all (.ci/run). README: Tests.
 QUICK_TESTS = "not slow"
 SLOW_LEFT_OUT = pytest.StashKey[bool]()
 MARK_EXPRESSION = "framework_mark_expression"
