@@ -23,11 +23,11 @@ TWO_FILES = ["-o", f"testpaths={SLOW_FILE} tests/unit/test_versions.py"]
 LEFT_OUT = "The slow tests (multi-process, end to end) were left out: `uv run pytest --all`"
 
 
-def pytest_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def pytest_run(tmp_path: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     cache = ["-o", f"cache_dir={tmp_path / 'cache'}"]
     return subprocess.run(
         [sys.executable, "-m", "pytest", *cache, "-rA", *TWO_FILES, *args],
-        cwd=REPO,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
@@ -55,3 +55,13 @@ def test_all_an_expression_or_a_named_path_runs_the_slow_tests(tmp_path, asked):
     assert result.returncode == 0, result.stdout[-3000:]
     assert SLOW_TEST in result.stdout
     assert LEFT_OUT not in result.stdout
+
+
+def test_the_bare_command_in_a_subfolder_leaves_them_out_too(tmp_path):
+    """Outside the rootdir pytest collects the folder it was started in, not testpaths: the
+    whole tests/ folder here, so only collected."""
+    result = pytest_run(tmp_path, "-n", "0", "--collect-only", "-q", cwd=REPO / "tests")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert QUICK_TEST in result.stdout
+    assert SLOW_TEST not in result.stdout
+    assert LEFT_OUT in result.stdout
