@@ -48,18 +48,23 @@ def command_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def refusal_without_torch(tmp_path: Path, command: str) -> str:
-    """The one line `train <command>` is refused with, in a new interpreter where torch cannot
-    be imported (which shows whether anything tried): one rank, so no fork server imports it
-    either. Exit 2 and no run dir are checked here."""
-    result = subprocess.run(
-        [sys.executable, "-m", "framework.cli", *command.split(), "launcher.nproc_per_node=1"],
+def train_without_torch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`train <args>` in a new interpreter where torch cannot be imported (which shows whether
+    anything tried)."""
+    return subprocess.run(
+        [sys.executable, "-m", "framework.cli", *args],
         cwd=tmp_path,
         env=command_env(PYTHONPATH=torch_refused(tmp_path / "guard")),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def refusal_without_torch(tmp_path: Path, command: str) -> str:
+    """The one line `train <command>` is refused with, before anything imports torch (one rank,
+    so no fork server imports it either). Exit 2 and no run dir are checked here."""
+    result = train_without_torch(tmp_path, *command.split(), "launcher.nproc_per_node=1")
     assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr[-3000:]
@@ -75,6 +80,24 @@ def test_a_config_mistake_is_refused_before_anything_imports_torch(tmp_path, mis
 @pytest.mark.parametrize(("command", "said"), FLAG_MISTAKES, ids=[c for c, _ in FLAG_MISTAKES])
 def test_a_mistake_with_hydras_flags_is_one_line_too(tmp_path, command, said):
     assert said in refusal_without_torch(tmp_path, command)
+
+
+# What Hydra answers, which the checks of those flags must leave to it.
+ONE_RANK = "launcher.nproc_per_node=1"
+FLAGS_HYDRA_ANSWERS = [
+    (["--cfg", "job", "-p", "trainer.stop_signals[0]", ONE_RANK], "SIGTERM"),  # as Hydra selects
+    (["--hydra-help", "--cfg", "job", "-p", "nosuch"], "Hydra ("),  # its help answers first
+    (["--config-dir", "", "--cfg", "job", "-p", "mode", ONE_RANK], "train"),  # "": the working dir
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"), FLAGS_HYDRA_ANSWERS, ids=[" ".join(a) for a, _ in FLAGS_HYDRA_ANSWERS]
+)
+def test_right_uses_of_hydras_flags_are_answered(tmp_path, args, said):
+    result = train_without_torch(tmp_path, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[0].startswith(said)
 
 
 def marked_processes(mark: str) -> list[int]:
