@@ -18,13 +18,11 @@ from hydra.core.utils import JobRuntime
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from framework.app.hydra_errors import wants_hydras_traceback
-from framework.app.hydra_node_check import composition_mistake, search_path
+from framework.app.hydra_node_check import composition_refusal, search_path
 from framework.config.redaction import remember_secrets
 from framework.config.registry import register_configs
 from framework.config.resolvers import group_listing
 from framework.core.allowlist import parsed_arguments
-from framework.core.exits import ConfigError
 
 APP_NAME = "train"  # what Hydra names the job of framework/train.py
 CONFIG_GROUPS = "config_groups"  # the resolver conf/config.yaml's template lists groups with
@@ -43,10 +41,9 @@ def help_text(argv: list[str]) -> str | None:
             args.config_name or "config", list(args.overrides), run_mode=RunMode.RUN
         )
     except Exception as error:  # what Hydra's help would have met: its message, one line
-        mistake = composition_mistake(error, loader, list(args.overrides))
-        if mistake is None or wants_hydras_traceback():
+        if (refusal := composition_refusal(error, loader, list(args.overrides))) is None:
             raise
-        raise ConfigError(mistake) from None
+        raise refusal from None
     remember_secrets(cfg)  # the console scrubs them from the text printed
     template = string.Template(_template(cfg))
     return template.safe_substitute(

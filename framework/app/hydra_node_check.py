@@ -119,12 +119,24 @@ def _check_shown_package(cfg: DictConfig, args: argparse.Namespace) -> None:
         raise ConfigError(f"--package {package}: not a key, or null: nothing to show ({shows})")
 
 
-def composition_mistake(
+def composition_refusal(
+    error: Exception, loader: ConfigLoaderImpl, overrides: list[str]
+) -> ConfigError | None:
+    """The ConfigError (one line, exit 2) for an error of composing these overrides that is a
+    config mistake; None for any other error, and where the user asked for Hydra's traceback
+    (HYDRA_FULL_ERROR=1): those are Hydra's to report."""
+    mistake = _composition_mistake(error, loader, overrides)
+    if mistake is None or wants_hydras_traceback():
+        return None
+    return ConfigError(mistake)
+
+
+def _composition_mistake(
     error: Exception, loader: ConfigLoaderImpl, overrides: list[str]
 ) -> str | None:
-    """The one line for an error of composing these overrides that is a config mistake, else
-    None. A config group set to null is one: Hydra says only that an override "must be a string
-    or a list", naming neither."""
+    """The one line for a config mistake, else None. A config group set to a value that is not
+    an option's name (null, a number) is one: Hydra says only that an override "must be a
+    string or a list", naming neither the override nor the options."""
     if isinstance(error, ValueError) and not isinstance(error, OmegaConfBaseException):
         for override in OverridesParser.create().parse_overrides(overrides):
             if override.is_delete() or override.is_sweep_override():
@@ -203,11 +215,12 @@ def search_path(args: argparse.Namespace) -> ConfigSearchPath:
     config_path = args.config_path if args.config_path is not None else str(CONF_DIR)
     found = create_automatic_config_search_path(str(APP_FILE), None, config_path)
     if args.config_dir is not None:
-        if not os.path.isdir(os.path.abspath(args.config_dir)):  # Hydra: exit 1, as it reports
+        config_dir = os.path.abspath(args.config_dir)
+        if not os.path.isdir(config_dir):  # Hydra: exit 1, as it reports
             raise ConfigError(f"--config-dir {args.config_dir}: no such folder of config files")
         found.prepend(
             provider="command-line",
-            path=f"file://{os.path.abspath(args.config_dir)}",
+            path=f"file://{config_dir}",
             anchor=SearchPathQuery(provider="schema"),
         )
     return found
@@ -226,9 +239,9 @@ def _compositions(
         # (and a user's HYDRA_FULL_ERROR=1) is left to Hydra, which reports it its way. So are
         # Hydra's own commands: --info, --hydra-help (which composes no app config) and shell
         # completion (whose arguments, `-sc install=bash`, are not overrides).
-        mistake = composition_mistake(error, loader, overrides)
-        if mistake is not None and not wants_hydras_traceback() and _composes_the_run(args):
-            raise ConfigError(mistake) from None
+        refusal = composition_refusal(error, loader, overrides)
+        if refusal is not None and _composes_the_run(args):
+            raise refusal from None
         return
     yield master, overrides
     if mode is RunMode.RUN:

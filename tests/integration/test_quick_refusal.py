@@ -43,6 +43,9 @@ FLAG_MISTAKES = [
 ]
 
 
+ONE_RANK = "launcher.nproc_per_node=1"  # no fork server, which would import torch
+
+
 def command_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in {*DIST_ENV_VARS, "PYTHONPATH"}}
     return {**env, **extra}
@@ -64,7 +67,7 @@ def train_without_torch(tmp_path: Path, *args: str) -> subprocess.CompletedProce
 def refusal_without_torch(tmp_path: Path, command: str) -> str:
     """The one line `train <command>` is refused with, before anything imports torch (one rank,
     so no fork server imports it either). Exit 2 and no run dir are checked here."""
-    result = train_without_torch(tmp_path, *command.split(), "launcher.nproc_per_node=1")
+    result = train_without_torch(tmp_path, *command.split(), ONE_RANK)
     assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr[-3000:]
@@ -83,7 +86,6 @@ def test_a_mistake_with_hydras_flags_is_one_line_too(tmp_path, command, said):
 
 
 # What Hydra answers, which the checks of those flags must leave to it.
-ONE_RANK = "launcher.nproc_per_node=1"
 FLAGS_HYDRA_ANSWERS = [
     (["--cfg", "job", "-p", "trainer.stop_signals[0]", ONE_RANK], "SIGTERM"),  # as Hydra selects
     (["--hydra-help", "--cfg", "job", "-p", "nosuch"], "Hydra ("),  # its help answers first
