@@ -10,6 +10,7 @@ own conf/ is then found by `_target_` in this process and in every rank, with no
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -19,6 +20,12 @@ from framework.launch import forkserver
 
 
 def main() -> None:
+    # Python's cycle collector is off until the config has passed its checks (train.py turns
+    # it back on before the run): the imports and compositions make about a million objects,
+    # and its passes over them were 0.1 s of the 1.5 s a refused mistake took; a refusal ends
+    # the process with it off, which also skips the full collection at exit
+    # (docs/benchmarks.md).
+    gc.disable()
     # Read from package metadata before anything imports torch: a torch below the floor is
     # refused in one line here, not met as an AttributeError inside a rank.
     if unsupported := versions.unsupported_packages():

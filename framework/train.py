@@ -6,6 +6,7 @@ config once (Hydra), hands it to the launcher and turns how the run ended into a
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import sys
@@ -161,6 +162,7 @@ def _main() -> None:
             return
     except ConfigError as error:
         end(error, rank=here.global_rank())  # under torchrun rank 0 says it once
+    gc.enable()  # paused by cli.py until the config has passed its checks
     # Secrets typed as overrides move to environment variables: Hydra's records, its console
     # log and W&B's copy of argv then hold ${oc.env:NAME}, never the value.
     sys.argv[1:] = hide_command_line_secrets(sys.argv[1:], os.environ)

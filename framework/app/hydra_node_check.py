@@ -51,7 +51,8 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
     register_configs()  # the schemas the YAML files extend (train.py registers them too)
     setup_globals()  # Hydra's resolvers (now, hydra), which Hydra registers when it starts
     loader = ConfigLoaderImpl(config_search_path=search_path(args))
-    mode, overrides, mode_composition = _found_mode(loader, args)
+    single_run = not args.multirun and not _sweeps(args.overrides) and _composes_the_run(args)
+    mode, overrides, mode_composition = _found_mode(loader, args, refuse_mistakes=single_run)
     if mode_composition is not None and not OmegaConf.missing_keys(
         mode_composition.hydra.runtime.choices
     ):
@@ -60,7 +61,7 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
         # composed). Passing here proves nothing: the run's own composition is checked below.
         # (A group left `???` is skipped in this one, and the run's composition fails in
         # Hydra, with Hydra's message.)
-        if app and mode is RunMode.RUN and not _sweeps(args.overrides):
+        if app and mode is RunMode.RUN and single_run:
             # Without a sweep override its app keys are the run's (Hydra's run mode only
             # changes how sweeps and `???` groups compose), and validating reads files, runs
             # nothing: a typo costs this one composition.
@@ -169,14 +170,18 @@ def run_mode(loader: ConfigLoaderImpl, args: argparse.Namespace) -> tuple[RunMod
 
 
 def _found_mode(
-    loader: ConfigLoaderImpl, args: argparse.Namespace
+    loader: ConfigLoaderImpl, args: argparse.Namespace, refuse_mistakes: bool = False
 ) -> tuple[RunMode, list[str], DictConfig | None]:
     """run_mode's answer, and the composition it read hydra.mode from (None when it composed
     nothing, or Hydra could not compose or read hydra.mode: the run's composition then sets
-    it)."""
+    it). With `refuse_mistakes` (a single run: no -m, no sweep override), a composition that
+    fails on a config mistake is refused here, one composition before the run's own would be:
+    this one, made in multirun mode, skips `???` groups and is otherwise the same, so the run's
+    composition fails too."""
     overrides = list(args.overrides)
     if not args.multirun and (args.cfg or args.info or args.shell_completion):
         return RunMode.RUN, overrides, None
+    composed: DictConfig | None
     try:
         composed = loader.load_configuration(
             args.config_name or "config",
@@ -184,8 +189,14 @@ def _found_mode(
             run_mode=RunMode.MULTIRUN,
             validate_sweep_overrides=False,
         )
-        found = composed.hydra.mode
-    except Exception:  # noqa: BLE001 (Hydra's get_mode also treats any failure as unset)
+    except Exception as error:  # noqa: BLE001 (Hydra's get_mode also treats any failure as unset)
+        refusal = composition_refusal(error, loader, overrides) if refuse_mistakes else None
+        if refusal is not None:
+            raise refusal from None
+        composed = None
+    try:
+        found = composed.hydra.mode if composed is not None else None
+    except Exception:  # noqa: BLE001 (as in Hydra's get_mode: an unreadable mode is unset)
         composed, found = None, None
     if found is None or (args.multirun and found is RunMode.RUN):
         mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 from hydra.core.config_store import ConfigStore
@@ -43,6 +44,7 @@ LAUNCHERS: dict[str, type] = {
 }
 # Building blocks a config may name besides the options' own targets.
 BUILDING_BLOCKS = ("framework.components.data.PadSequences",)
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @functools.cache
@@ -56,10 +58,17 @@ def shipped_options(group: str) -> dict[str, Path]:
     return {path.stem: path for path in sorted((CONF_DIR / group).glob("*.yaml"))}
 
 
+def read_option(path: Path) -> Any:
+    """A shipped option's YAML as plain values. Parsed by libyaml where PyYAML has it: the
+    checks read every shipped option, and the pure-Python parser took 30-50 ms of the 1.5 s a
+    refused mistake took (docs/benchmarks.md); both build the same values."""
+    return yaml.load(path.read_text(), Loader=_SAFE_LOADER) or {}
+
+
 def _targets_in(conf: Path) -> Iterator[str]:
     for group in GROUP_BASES:
         for path in shipped_options(group).values():
-            yield from _targets(yaml.safe_load(path.read_text()))
+            yield from _targets(read_option(path))
 
 
 def _targets(node: object) -> Iterator[str]:
@@ -101,7 +110,7 @@ def shipped_choice(group: str, node: DictConfig) -> str:
     """The shipped option of `group` that `node` is (its file's keys all as the node has them),
     for messages; else the callable it names."""
     for name, path in shipped_options(group).items():
-        values = yaml.safe_load(path.read_text()) or {}
+        values = read_option(path)
         values.pop("defaults", None)
         if all(node.get(key) == value for key, value in values.items()):
             return name
@@ -113,7 +122,7 @@ def option_values(group: str, name: str, **changes: object) -> dict[str, object]
     option called from Python (tests, benchmarks) as `train` calls it, without the framework's
     keys (data.batch_size) that a callable taking no **kwargs is not given. Interpolations
     (`${data.num_classes}`) are left to `changes`."""
-    content = yaml.safe_load(shipped_options(group)[name].read_text()) or {}
+    content = read_option(shipped_options(group)[name])
     values = {key: value for key, value in content.items() if not _is_special(key)}
     signature = signature_of(str(content["_target_"])) if "_target_" in content else None
     if signature is not None and not signature.takes_kwargs:

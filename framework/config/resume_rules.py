@@ -13,11 +13,10 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import yaml
 from omegaconf import MISSING
 
 from framework.config import schemas as s
-from framework.config.registry import GROUP_BASES, shipped_options
+from framework.config.registry import GROUP_BASES, read_option, shipped_options
 from framework.core.allowlist import matches_prefix
 from framework.core.signatures import signature_of
 
@@ -166,7 +165,7 @@ def _signature_default(target: str, name: str) -> str | None:
 def _shipped_value(group: str, target: str, name: str) -> str | None:
     values = set()
     for path in shipped_options(group).values():
-        option = yaml.safe_load(path.read_text()) or {}
+        option = read_option(path)
         if option.get("_target_") == target and name in option:
             values.add(json.dumps(option[name]))
     return values.pop() if len(values) == 1 else None

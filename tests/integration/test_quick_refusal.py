@@ -134,3 +134,30 @@ def test_a_refused_command_leaves_no_fork_server_behind(tmp_path):
         time.sleep(0.05)
     assert marked_processes(mark) == []
     assert "model.hiden is not a setting" in (tmp_path / "out").read_text()
+
+
+# `train`, with the run itself (Hydra's app) replaced by a line saying whether Python's cycle
+# collector is on: a config that passes its checks must reach the run with it on.
+COLLECTOR_AT_THE_RUN = (
+    "import gc, sys\n"
+    "import framework.train\n"
+    "framework.train.run_with_exit_codes = lambda app: print('collector on:', gc.isenabled())\n"
+    "from framework.cli import main\n"
+    "sys.argv[0] = 'train'\n"
+    "main()\n"
+)
+
+
+def test_the_collector_paused_for_the_checks_is_on_for_the_run(tmp_path):
+    """cli.py turns Python's cycle collector off while the config is checked (a refusal is
+    faster without its passes); a run of hours must not go on without it."""
+    result = subprocess.run(
+        [sys.executable, "-c", COLLECTOR_AT_THE_RUN, ONE_RANK, "trainer.max_steps=1"],
+        cwd=tmp_path,
+        env=command_env(PYTHONPATH=torch_refused(tmp_path / "guard")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "collector on: True"

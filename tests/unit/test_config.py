@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import yaml
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -14,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.components.data import load_splits
 from framework.components.optim import build_optimizer, scaled_lr
 from framework.config import batch, schemas, validate
-from framework.config.registry import GROUP_BASES
+from framework.config.registry import GROUP_BASES, read_option
 from framework.config.resume_rules import must_match_in_eval, resumable_keys, training_settings
 from framework.config.validation import node_range
 from framework.core.exits import ConfigError
@@ -242,6 +243,15 @@ def test_a_shipped_option_shows_its_values_each_a_parameter_of_its_callable(grou
     assert own <= set(signature.parameters), (
         f"{target} does not name {own - set(signature.parameters)}"
     )
+
+
+def test_the_checks_read_each_shipped_file_as_pyyamls_own_parser_does():
+    """The checks read every shipped option with libyaml (faster); what they read must be what
+    the pure-Python safe loader reads."""
+    files = sorted(CONF_DIR.glob("*/*.yaml"))
+    assert len(files) > 30
+    for path in files:
+        assert read_option(path) == (yaml.safe_load(path.read_text()) or {}), path
 
 
 def our_options() -> list[tuple[str, str]]:

@@ -255,16 +255,20 @@ def test_a_mistake_in_the_apps_keys_is_refused_after_one_composition(composition
 
 
 def test_a_composition_hydra_refuses_is_refused_with_hydras_message_before_hydra_starts(
-    monkeypatch,
+    monkeypatch, compositions
 ):
     """The composition the check makes is Hydra's own: its error, in Hydra's words, needs no
-    start of Hydra and two more compositions. HYDRA_FULL_ERROR=1 leaves it to Hydra, which then
-    shows its traceback."""
+    start of Hydra and no second composition (a single run's first one, which finds the run
+    mode, fails the same way). HYDRA_FULL_ERROR=1 leaves it to Hydra, which then shows its
+    traceback."""
     message = refusal(["data.batch_size=abc"])
     assert message == (
         "Error merging override data.batch_size=abc: "
         "Value 'abc' of type 'str' could not be converted to Integer"
     )
+    assert len(compositions) == 1
+    sweep = refusal(["-m", "data.batch_size=abc"])  # a sweep: at its master composition
+    assert sweep == message and len(compositions) == 3
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     assert check_composed_hydra_node(["data.batch_size=abc"], app=True) is None
 
