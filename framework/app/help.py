@@ -41,7 +41,8 @@ def help_text(argv: list[str]) -> str | None:
             args.config_name or "config", list(args.overrides), run_mode=RunMode.RUN
         )
     except Exception as error:  # what Hydra's help would have met: its message, one line
-        if (refusal := composition_refusal(error, loader, list(args.overrides))) is None:
+        overrides, name = list(args.overrides), args.config_name or "config"
+        if (refusal := composition_refusal(error, loader, overrides, name)) is None:
             raise
         raise refusal from None
     remember_secrets(cfg)  # the console scrubs them from the text printed

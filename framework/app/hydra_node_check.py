@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
@@ -32,6 +33,7 @@ from framework.app.hydra_reference import check_hydra_settings
 from framework.config import CONF_DIR, validate
 from framework.config.redaction import remember_secrets
 from framework.config.registry import register_configs
+from framework.config.validation import check_keys
 from framework.core.allowlist import check_hydra_node, parsed_arguments, trusted_prefixes
 from framework.core.exits import ConfigError
 
@@ -69,13 +71,18 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
             _validate(mode_composition)
         _check_composed_node(mode_composition, args.overrides)
     validated = None
-    for cfg, used in _compositions(loader, args, mode, overrides):
+    for cfg, used, sweep_job in _compositions(loader, args, mode, overrides):
         _check_composed_node(cfg, used)
         _check_shown_package(cfg, args)
         remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
-        if app and mode is RunMode.RUN and not args.cfg:  # (a sweep: each job, in Hydra)
+        if app and not args.cfg and mode is RunMode.RUN:
             _validate(cfg)
             validated = cfg
+        elif app and not args.cfg and sweep_job:
+            # Before its first job starts, what would fail every job (a misspelt key, a value
+            # of the wrong type): refused whole, not job by job. A value a rule refuses fails
+            # its job alone (in Hydra), and the sweep goes on.
+            _validate(cfg, check_keys)
     return validated
 
 
@@ -86,6 +93,9 @@ def check_hydra_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--resolve resolves what --cfg or --help shows: add --cfg job")
     if args.hydra_help:  # Hydra answers it before it counts the commands
         return
+    if args.package is not None and args.cfg is None and not args.help:
+        # Hydra ignores it, and runs: the user meant to see one part of the config
+        raise ConfigError(f"--package {args.package} picks what --cfg shows: add --cfg job")
     given = {
         "--run": args.run,
         "--multirun": args.multirun,
@@ -121,15 +131,60 @@ def _check_shown_package(cfg: DictConfig, args: argparse.Namespace) -> None:
 
 
 def composition_refusal(
-    error: Exception, loader: ConfigLoaderImpl, overrides: list[str]
+    error: Exception,
+    loader: ConfigLoaderImpl,
+    overrides: list[str],
+    config_name: str = "config",
+    run_mode: RunMode = RunMode.RUN,
 ) -> ConfigError | None:
-    """The ConfigError (one line, exit 2) for an error of composing these overrides that is a
-    config mistake; None for any other error, and where the user asked for Hydra's traceback
-    (HYDRA_FULL_ERROR=1): those are Hydra's to report."""
-    mistake = _composition_mistake(error, loader, overrides)
-    if mistake is None or wants_hydras_traceback():
+    """The ConfigError (one line, exit 2) for an error of composing these overrides (with this
+    config name and run mode) that is a config mistake; None for any other error, and where the
+    user asked for Hydra's traceback (HYDRA_FULL_ERROR=1): those are Hydra's to report."""
+    if wants_hydras_traceback():
         return None
-    return ConfigError(mistake)
+    mistake = _unknown_key_mistake(error, loader, overrides, config_name, run_mode)
+    mistake = mistake or _composition_mistake(error, loader, overrides)
+    return ConfigError(mistake) if mistake is not None else None
+
+
+# Hydra's answer to `key=value` for a key the config does not have.
+_APPEND_ADVICE = re.compile(
+    r"Could not override '(?P<key>[^']+)'\.\s+To append to your config use \+"
+)
+
+
+def _unknown_key_mistake(
+    error: Exception,
+    loader: ConfigLoaderImpl,
+    overrides: list[str],
+    config_name: str,
+    run_mode: RunMode,
+) -> str | None:
+    """Hydra's fix for `key=value` naming a key the config lacks is to append it (`+key=...`):
+    for a misspelt key, the wrong fix. The config composed with the key appended is validated
+    instead, and its refusal, which names the key and the near one (did you mean), is the
+    mistake. None where that refusal is about something else, or there is none."""
+    found = _APPEND_ADVICE.match(str(error))
+    if found is None:
+        return None
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    appended = [
+        f"+{override.input_line}"
+        if override.key_or_group == found["key"] and not (override.is_add() or override.package)
+        else override.input_line
+        for override in parsed
+    ]
+    try:
+        validate(
+            loader.load_configuration(
+                config_name, appended, run_mode=run_mode, validate_sweep_overrides=False
+            )
+        )
+    except ConfigError as refusal:
+        return str(refusal) if found["key"] in str(refusal) else None
+    except Exception:  # noqa: BLE001 (another mistake: Hydra's line about this key stands)
+        return None
+    return None
 
 
 def _composition_mistake(
@@ -182,15 +237,20 @@ def _found_mode(
     if not args.multirun and (args.cfg or args.info or args.shell_completion):
         return RunMode.RUN, overrides, None
     composed: DictConfig | None
+    config_name = args.config_name or "config"
     try:
         composed = loader.load_configuration(
-            args.config_name or "config",
+            config_name,
             overrides,
             run_mode=RunMode.MULTIRUN,
             validate_sweep_overrides=False,
         )
     except Exception as error:  # noqa: BLE001 (Hydra's get_mode also treats any failure as unset)
-        refusal = composition_refusal(error, loader, overrides) if refuse_mistakes else None
+        refusal = (
+            composition_refusal(error, loader, overrides, config_name, RunMode.MULTIRUN)
+            if refuse_mistakes
+            else None
+        )
         if refusal is not None:
             raise refusal from None
         composed = None
@@ -213,9 +273,9 @@ def _sweeps(overrides: list[str]) -> bool:
     return any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides))
 
 
-def _validate(cfg: DictConfig) -> None:
+def _validate(cfg: DictConfig, check: Callable[[DictConfig], None] = validate) -> None:
     try:
-        validate(cfg)
+        check(cfg)
     except OmegaConfBaseException as error:  # a value that is not of its key's type
         raise ConfigError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
 
@@ -239,10 +299,11 @@ def search_path(args: argparse.Namespace) -> ConfigSearchPath:
 
 def _compositions(
     loader: ConfigLoaderImpl, args: argparse.Namespace, mode: RunMode, overrides: list[str]
-) -> Iterator[tuple[DictConfig, list[str]]]:
-    """(config, the overrides it was composed with) of the run; for a sweep, its master config
-    and each value of each swept key (the others at their first value): every file any job
-    selects is composed once."""
+) -> Iterator[tuple[DictConfig, list[str], bool]]:
+    """(config, the overrides it was composed with, whether it is a sweep's job) of the run;
+    for a sweep, its master config, its first job and each other value of each swept key (the
+    others at their first value): every file and value any job selects is composed once. A
+    job Hydra would fail to compose is refused as the run's composition is."""
     try:
         master = loader.load_configuration(args.config_name or "config", overrides, run_mode=mode)
     except Exception as error:  # noqa: BLE001 (Hydra would refuse the same composition)
@@ -250,24 +311,31 @@ def _compositions(
         # (and a user's HYDRA_FULL_ERROR=1) is left to Hydra, which reports it its way. So are
         # Hydra's own commands: --info, --hydra-help (which composes no app config) and shell
         # completion (whose arguments, `-sc install=bash`, are not overrides).
-        refusal = composition_refusal(error, loader, overrides)
+        refusal = composition_refusal(error, loader, overrides, args.config_name or "config", mode)
         if refusal is not None and _composes_the_run(args):
             raise refusal from None
         return
-    yield master, overrides
+    yield master, overrides, False
     if mode is RunMode.RUN:
         return
     recorded = OmegaConf.to_container(master.hydra.overrides, resolve=False)
     assert isinstance(recorded, dict)
     values = _sweep_values(master, list(recorded["task"]))
     first = {key: options[0] for key, options in values.items()}
-    for key, options in values.items():
-        for option in options[1:]:
-            job = list({**first, key: option}.values())
-            try:
-                yield loader.load_sweep_config(master, job), [*recorded["hydra"], *job]
-            except Exception:  # noqa: BLE001 (this job fails in Hydra too, before its logging is set up)
-                continue
+    jobs = [list(first.values())] + [
+        list({**first, key: option}.values())
+        for key, options in values.items()
+        for option in options[1:]
+    ]
+    for job in jobs:
+        try:
+            composed = loader.load_sweep_config(master, job)
+        except Exception as error:  # noqa: BLE001 (this job fails in Hydra too, before its logging is set up)
+            refusal = composition_refusal(error, loader, job, args.config_name or "config")
+            if refusal is not None and _composes_the_run(args):
+                raise refusal from None
+            continue
+        yield composed, [*recorded["hydra"], *job], True
 
 
 def _sweep_values(master: DictConfig, overrides: list[str]) -> dict[str, list[str]]:

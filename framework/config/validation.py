@@ -21,7 +21,7 @@ from framework.config import batch
 from framework.config import schemas as s
 from framework.config.data_sizes import check_data_sizes
 from framework.config.option_keys import check_target_keys
-from framework.config.registry import shipped_choice, shipped_targets
+from framework.config.registry import LAUNCHERS, shipped_choice, shipped_targets
 from framework.config.resolvers import gpu_count
 from framework.core import launch_context
 from framework.core.allowlist import check_targets, trusted_prefixes
@@ -74,9 +74,7 @@ def validate(cfg: DictConfig) -> None:
     trusted_prefixes(cfg)  # first: an allowed_targets that does not resolve says so, by name
     _check_groups_name_their_builder(cfg)
     _check_nothing_missing(cfg)
-    _check_no_unknown_keys(cfg)
-    check_targets(cfg, shipped_targets())
-    check_target_keys(cfg)  # (after the allowlist: it reads the targets' source)
+    _check_keys_and_targets(cfg)
     _check_mode(cfg)
     _check_trainer(cfg.trainer)
     _check_checkpoint(cfg.checkpoint, sharded_checkpoints(cfg))
@@ -102,6 +100,22 @@ def validate(cfg: DictConfig) -> None:
     directions = task_directions(cfg.task._target_)
     if directions is not None:  # (else the rank checks it, once it has built the task)
         resolve_objective(cfg.objective, directions)
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """What is wrong in every job of a sweep that has it: a key that no schema or callable
+    takes, a value not of its key's type, a callable that may not be named. A sweep's jobs are
+    checked with it before the first starts; the rules about values (validate's others) fail a
+    job alone, and the sweep goes on (docs/launchers.md)."""
+    trusted_prefixes(cfg)
+    _check_groups_name_their_builder(cfg)
+    _check_keys_and_targets(cfg)
+
+
+def _check_keys_and_targets(cfg: DictConfig) -> None:
+    _check_no_unknown_keys(cfg)
+    check_targets(cfg, shipped_targets())
+    check_target_keys(cfg)  # (after the allowlist: it reads the targets' source)
 
 
 def _check_nothing_missing(cfg: DictConfig) -> None:
@@ -141,7 +155,10 @@ def _check_groups_name_their_builder(cfg: DictConfig) -> None:
 
 
 def _check_no_unknown_keys(cfg: DictConfig) -> None:
-    for section, schema in TYPED_SECTIONS.items():
+    sections = dict(TYPED_SECTIONS)
+    if (launcher := LAUNCHERS.get(str(cfg.launcher.get("name")))) is not None:
+        sections["launcher"] = launcher  # its keys: its start method's schema
+    for section, schema in sections.items():
         known = [field.name for field in dataclasses.fields(schema)]
         node = OmegaConf.select(cfg, section)
         for key in node.keys() if node is not None else ():

@@ -179,7 +179,10 @@ BAD_INPUT = [
     ),
     (["comm=powersgd", "comm.compress=fp8"], ["comm.compress='fp8'", "not one of 'fp16', 'bf16'"]),
     (["trainer.on_nonfinite=ignore"], ["trainer.on_nonfinite=ignore", "one of [stop, skip]"]),
-    (["trainer.max_step=5"], ["trainer.max_step", "not in 'TrainerConfig'"]),
+    (
+        ["trainer.max_step=5"],
+        ["trainer.max_step is not a setting: did you mean trainer.max_steps?"],
+    ),
     (["launcher=torchrun", "launcher.nnodes=2:1"], ["launcher.nnodes=2:1", "MIN:MAX"]),
     (["launcher=torchrun", "launcher.nnodes=1:2"], ["elastic range", "launcher.max_restarts>=1"]),
     (["launcher=torchrun", "launcher.nnodes=2"], ["give every node the same hydra.run.dir"]),

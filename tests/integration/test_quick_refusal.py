@@ -25,6 +25,16 @@ MISTAKES = [
     ("task=autoencoder task.reconstruction=l1", "not one of 'mse', 'bce'"),
     ("objective=val/acuracy", "objective='val/acuracy' is not a metric"),
     ("trainer.grad_accum=0", "trainer.grad_accum=0 is invalid"),
+    # A key the config lacks, without +: Hydra's fix (append it with +) is the wrong one.
+    (
+        "trainer.max_step=2",
+        "error: trainer.max_step is not a setting: did you mean trainer.max_steps?",
+    ),
+    ("+launcher.nproc_per_nod=1", "launcher.nproc_per_nod is not a setting: did you mean"),
+    # A sweep: what would fail every job is refused before the first starts.
+    ("-m data.batch_sizee=1,2", "data.batch_sizee is not a setting of"),
+    ("-m optimizer.lr=0.1,abc", "Error merging override optimizer.lr=abc"),
+    ("-m trainer.max_step=2,3", "did you mean trainer.max_steps?"),
 ]
 
 
@@ -40,6 +50,7 @@ FLAG_MISTAKES = [
     ("--config-dir nope --cfg job", "error: --config-dir nope: no such folder of config files"),
     ("--cfg job -p model.nosuch", "error: --package model.nosuch: not a key, or null"),
     ("--cfg job ~logger optimizer=1", "error: optimizer=1: optimizer is a config group"),
+    ("-p model", "error: --package model picks what --cfg shows: add --cfg job"),
 ]
 
 
@@ -71,7 +82,7 @@ def refusal_without_torch(tmp_path: Path, command: str) -> str:
     assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr[-3000:]
-    assert not (tmp_path / "outputs").exists()
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
     return lines[0]
 
 
