@@ -24,6 +24,7 @@ from hydra._internal.utils import create_automatic_config_search_path
 from hydra.core.config_search_path import ConfigSearchPath, SearchPathQuery
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import setup_globals
+from hydra.errors import OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -270,7 +271,11 @@ def _composes_the_run(args: argparse.Namespace) -> bool:
 
 
 def _sweeps(overrides: list[str]) -> bool:
-    return any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides))
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:  # refused where it is composed, in Hydra's words
+        return False
+    return any(override.is_sweep_override() for override in parsed)
 
 
 def _validate(cfg: DictConfig, check: Callable[[DictConfig], None] = validate) -> None:

@@ -25,6 +25,9 @@ MISTAKES = [
     ("task=autoencoder task.reconstruction=l1", "not one of 'mse', 'bce'"),
     ("objective=val/acuracy", "objective='val/acuracy' is not a metric"),
     ("trainer.grad_accum=0", "trainer.grad_accum=0 is invalid"),
+    # Overrides that do not parse: Hydra's line.
+    ("optimizer.lr=${", "error: Error parsing override 'optimizer.lr=${'"),
+    ("-m optimizer.lr=${", "error: Error parsing override 'optimizer.lr=${'"),
     # A key the config lacks, without +: Hydra's fix (append it with +) is the wrong one.
     (
         "trainer.max_step=2",
