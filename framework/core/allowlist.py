@@ -13,11 +13,12 @@ callback of ours runs, so it is checked before Hydra starts: on the command line
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import os
 import re
 import sysconfig
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
@@ -30,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.core.exits import ConfigError, first_line
 from framework.core.hydra_settings import refusal, settable
-from framework.core.signatures import definition_of, suggestion
+from framework.core.signatures import definition_of, module_suggestion, suggestion
 
 # --- what may run ---------------------------------------------------------------------------
 # torchvision.datasets is not one: its readers unpickle or torch.load the files under a root a
@@ -180,14 +181,20 @@ def _private_elsewhere(target: str, real: str, home: str) -> bool:
     return not (same_name and home in TARGET_FAMILIES and matches_prefix(module, [home]))
 
 
+def _top_spec(module: str) -> importlib.machinery.ModuleSpec | None:
+    """Where the top package of `module` would be imported from (a top-level find imports
+    nothing); None where it is not importable."""
+    try:
+        return importlib.util.find_spec(module.split(".")[0])
+    except (ImportError, ValueError):
+        return None
+
+
 def _is_own_source(module: str) -> bool:
     """Whether the top package of `module` is code outside Python, its installed packages and
     this framework's own source tree: the user's own project (an editable install or the
     working directory)."""
-    try:
-        spec = importlib.util.find_spec(module.split(".")[0])
-    except (ImportError, ValueError):
-        return False
+    spec = _top_spec(module)
     if spec is None:
         return False
     places = [spec.origin] if spec.origin else []
@@ -232,6 +239,12 @@ def trusted_prefixes(cfg: DictConfig | Mapping) -> tuple[str, ...]:
             )
         if matches_prefix(prefix, by_environment) and not matches_prefix(prefix, ["framework"]):
             continue
+        if not matches_prefix(prefix, ["framework"]) and _top_spec(prefix) is None:
+            raise ConfigError(
+                f"allowed_targets entry {prefix!r}: {prefix.split('.')[0]} is not importable "
+                "from here: run train in your project's folder, or install the project there "
+                "(uv sync)"
+            )
         if matches_prefix(prefix, ["framework"]) or not _is_own_source(prefix):
             raise ConfigError(f"allowed_targets entry {prefix!r} is refused: {TRUST_FIX}")
     return tuple(extra)
@@ -336,6 +349,12 @@ def check_targets(
         near = None if by_import else misspelt(value, trusted, shipped)
         if near is not None:
             raise ConfigError(f"{path}={value} names nothing: did you mean {near}?")
+        # A module named where its class is meant (torch.optim.adam), read from source too.
+        meant = None if by_import else _allowed_near(value, module_suggestion, trusted, shipped)
+        if meant is not None:
+            raise ConfigError(
+                f"{path}={value} is a module, not a class or function: did you mean {meant}?"
+            )
         problem = target_problem(value, trusted, shipped, by_import)
         if problem:
             raise ConfigError(f"{path}={value} is not allowed: it {problem}")
@@ -345,9 +364,19 @@ def check_targets(
 def misspelt(target: Any, trusted: Iterable[str], shipped: Iterable[str]) -> str | None:
     """The allowed name `target` was meant to be, when it names nothing (read from source and
     the import path: nothing is imported) and an allowed name is near it; else None."""
+    return _allowed_near(target, suggestion, trusted, shipped)
+
+
+def _allowed_near(
+    target: Any,
+    near_to: Callable[[str], str | None],
+    trusted: Iterable[str],
+    shipped: Iterable[str],
+) -> str | None:
+    """What `near_to` finds for `target`, where a config may name it; else None."""
     if not isinstance(target, str) or has_private_segment(target):
         return None
-    near = suggestion(target)
+    near = near_to(target)
     if near is None:
         return None
     allowed = _family_of(near) is not None or near in shipped or matches_prefix(near, trusted)

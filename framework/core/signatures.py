@@ -385,7 +385,33 @@ def suggestion(target: str) -> str | None:
     return ".".join([near, *parts[1:]]) if near else None
 
 
+def module_suggestion(target: str) -> str | None:
+    """For a `target` that names a module, not a callable (`torch.optim.adam`): the callable
+    meant, a name its parent binds in another case (`torch.optim.Adam`), else the one public
+    class or function the module defines; None where `target` is no module or nothing fits."""
+    if source_file(target) is None:
+        return None
+    parent, _, name = target.rpartition(".")
+    members = _members(parent) if parent else set()
+    same = sorted(member for member in members if member.lower() == name.lower() != member)
+    if same:
+        return f"{parent}.{same[0]}"
+    path = source_file(target)
+    tree = parsed(path) if path is not None else None
+    defined = [
+        node.name
+        for node in (tree.body if tree is not None else [])
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_")
+    ]
+    return f"{target}.{defined[0]}" if len(defined) == 1 else None
+
+
 def _nearest(name: str, candidates: set[str]) -> str | None:
+    """The candidate `name` was meant to be: the same name in another case first (`Adamw` is
+    AdamW, not Adam; `Amp` is AMP, which no spelling distance finds), else the closest."""
+    same = sorted(candidate for candidate in candidates if candidate.lower() == name.lower())
+    if same:
+        return same[0]
     close = difflib.get_close_matches(name, sorted(candidates), n=1)
     return close[0] if close else None
 

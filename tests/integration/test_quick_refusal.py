@@ -25,6 +25,17 @@ MISTAKES = [
     ("task=autoencoder task.reconstruction=l1", "not one of 'mse', 'bce'"),
     ("objective=val/acuracy", "objective='val/acuracy' is not a metric"),
     ("trainer.grad_accum=0", "trainer.grad_accum=0 is invalid"),
+    # A module named where a class is meant, and a class in the wrong case: from source, with
+    # torch never imported.
+    (
+        "optimizer._target_=torch.optim.adam",
+        "torch.optim.adam is a module, not a class or function: did you mean torch.optim.Adam?",
+    ),
+    ("optimizer._target_=torch.optim.Adamw", "names nothing: did you mean torch.optim.AdamW?"),
+    (
+        "precision._target_=framework.components.precision.Amp",
+        "did you mean framework.components.precision.AMP?",
+    ),
     # Overrides that do not parse: Hydra's line.
     ("optimizer.lr=${", "error: Error parsing override 'optimizer.lr=${'"),
     ("-m optimizer.lr=${", "error: Error parsing override 'optimizer.lr=${'"),

@@ -156,7 +156,6 @@ def test_a_documented_family_name_defined_in_its_private_module_is_allowed(targe
         ("torch", "is refused"),  # an installed package
         ("hydra", "is refused"),
         ("framework", "is refused"),  # beyond the shipped targets
-        ("not_a_module_anywhere", "is refused"),
         ("not a module", "is invalid"),
         ("tests._private", "is invalid"),
     ],
@@ -230,6 +229,33 @@ def test_allowed_targets_from_a_config_adds_a_prefix():
 def test_an_invalid_allowed_targets_entry_is_refused():
     with pytest.raises(ConfigError, match="allowed_targets entry"):
         check_targets(OmegaConf.create({"allowed_targets": ["not a module"]}))
+
+
+def test_an_allowed_targets_entry_that_is_not_importable_says_so():
+    """Not "list your own project's modules": it is one, but train runs where it is not
+    importable (another folder, the project not installed)."""
+    with pytest.raises(ConfigError) as error:
+        trusted_prefixes({"allowed_targets": ["no_such_project.models"]})
+    assert str(error.value) == (
+        "allowed_targets entry 'no_such_project.models': no_such_project is not importable from "
+        "here: run train in your project's folder, or install the project there (uv sync)"
+    )
+
+
+def test_a_module_of_ones_own_named_as_a_target_gets_its_one_callable(tmp_path, monkeypatch):
+    (tmp_path / "own_nets").mkdir()
+    (tmp_path / "own_nets" / "__init__.py").write_text("")
+    (tmp_path / "own_nets" / "sine.py").write_text("import torch\n\nclass SineNet:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = OmegaConf.create(
+        {"allowed_targets": ["own_nets"], "model": {"_target_": "own_nets.sine"}}
+    )
+    with pytest.raises(ConfigError) as error:
+        check_targets(cfg, SHIPPED_TARGETS)
+    assert str(error.value) == (
+        "model._target_=own_nets.sine is a module, not a class or function: "
+        "did you mean own_nets.sine.SineNet?"
+    )
 
 
 def options(folder: Path) -> list[str]:
