@@ -420,6 +420,14 @@ def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:
     )
     for key in ("rdzv_last_call_s", "rdzv_keep_alive_s", "rdzv_keep_alive_attempts"):
         require(launcher[key] >= 1, f"launcher.{key}={launcher[key]} must be >= 1")
+    endpoint = str(launcher.rdzv_endpoint)
+    host, colon, port = endpoint.rpartition(":")
+    if colon and ":" not in host:  # host:port (a bare host takes torch's default port)
+        require(
+            port.isdigit() and int(port) <= 65535,
+            f"launcher.rdzv_endpoint={endpoint}: give host:port with a port from 0 to 65535 "
+            "(0 picks a free one, on one node)",
+        )
 
 
 def _check_submitit(launcher: DictConfig, cfg: DictConfig) -> None:

@@ -36,6 +36,10 @@ MISTAKES = [
         "precision._target_=framework.components.precision.Amp",
         "did you mean framework.components.precision.AMP?",
     ),
+    (
+        "launcher=torchrun launcher.rdzv_endpoint=localhost:abc",
+        "error: launcher.rdzv_endpoint=localhost:abc: give host:port with a port from 0 to 65535",
+    ),
     # Overrides that do not parse: Hydra's line.
     ("optimizer.lr=${", "error: Error parsing override 'optimizer.lr=${'"),
     ("-m optimizer.lr=${", "error: Error parsing override 'optimizer.lr=${'"),
