@@ -157,12 +157,12 @@ def _main() -> None:
             print(text)
             return
         cfg = check_composed_hydra_node(sys.argv[1:], app=True)
+        gc.enable()  # paused by cli.py until the config has passed its checks
         if cfg is not None and cfg.mode == "estimate":  # before any rank, run dir or training
             print(memory_estimate(cfg))
             return
     except ConfigError as error:
         end(error, rank=here.global_rank())  # under torchrun rank 0 says it once
-    gc.enable()  # paused by cli.py until the config has passed its checks
     # Secrets typed as overrides move to environment variables: Hydra's records, its console
     # log and W&B's copy of argv then hold ${oc.env:NAME}, never the value.
     sys.argv[1:] = hide_command_line_secrets(sys.argv[1:], os.environ)

@@ -18,7 +18,7 @@ from hydra.core.utils import JobRuntime
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from framework.app.hydra_node_check import composition_refusal, search_path
+from framework.app.hydra_node_check import composition_refusal, config_name_of, search_path
 from framework.config.redaction import remember_secrets
 from framework.config.registry import register_configs
 from framework.config.resolvers import group_listing
@@ -38,11 +38,11 @@ def help_text(argv: list[str]) -> str | None:
     JobRuntime.instance().set("name", APP_NAME)  # hydra.job.name, as Hydra sets it
     try:
         cfg = loader.load_configuration(
-            args.config_name or "config", list(args.overrides), run_mode=RunMode.RUN
+            config_name_of(args), list(args.overrides), run_mode=RunMode.RUN
         )
     except Exception as error:  # what Hydra's help would have met: its message, one line
-        overrides, name = list(args.overrides), args.config_name or "config"
-        if (refusal := composition_refusal(error, loader, overrides, name)) is None:
+        refusal = composition_refusal(error, loader, list(args.overrides), config_name_of(args))
+        if refusal is None:
             raise
         raise refusal from None
     remember_secrets(cfg)  # the console scrubs them from the text printed

@@ -54,8 +54,9 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
     register_configs()  # the schemas the YAML files extend (train.py registers them too)
     setup_globals()  # Hydra's resolvers (now, hydra), which Hydra registers when it starts
     loader = ConfigLoaderImpl(config_search_path=search_path(args))
-    single_run = not args.multirun and not _sweeps(args.overrides) and _composes_the_run(args)
-    mode, overrides, mode_composition = _found_mode(loader, args, refuse_mistakes=single_run)
+    sweep_asked = args.multirun or _sweeps(args.overrides)
+    refuse_at_once = not sweep_asked and _composes_the_run(args)
+    mode, overrides, mode_composition = _found_mode(loader, args, refuse_mistakes=refuse_at_once)
     if mode_composition is not None and not OmegaConf.missing_keys(
         mode_composition.hydra.runtime.choices
     ):
@@ -64,14 +65,14 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
         # composed). Passing here proves nothing: the run's own composition is checked below.
         # (A group left `???` is skipped in this one, and the run's composition fails in
         # Hydra, with Hydra's message.)
-        if app and mode is RunMode.RUN and single_run:
+        if app and mode is RunMode.RUN and not sweep_asked:
             # Without a sweep override its app keys are the run's (Hydra's run mode only
             # changes how sweeps and `???` groups compose), and validating reads files, runs
             # nothing: a typo costs this one composition.
             remember_secrets(mode_composition)  # (an error may quote a value)
             _validate(mode_composition)
         _check_composed_node(mode_composition, args.overrides)
-    validated = None
+    validated, jobs, refused = None, 0, []
     for cfg, used, sweep_job in _compositions(loader, args, mode, overrides):
         _check_composed_node(cfg, used)
         _check_shown_package(cfg, args)
@@ -80,11 +81,27 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
             _validate(cfg)
             validated = cfg
         elif app and not args.cfg and sweep_job:
-            # Before its first job starts, what would fail every job (a misspelt key, a value
-            # of the wrong type): refused whole, not job by job. A value a rule refuses fails
-            # its job alone (in Hydra), and the sweep goes on.
-            _validate(cfg, check_keys)
+            jobs += 1
+            if (refusal := _sweep_job_refusal(cfg)) is not None:
+                refused.append(refusal)
+    if refused and len(refused) == jobs:
+        # What every job would fail on (a misspelt key, a value of the wrong type) is refused
+        # before the first starts. A job of its own mistake fails alone, and the sweep goes on.
+        raise refused[0]
     return validated
+
+
+def _sweep_job_refusal(cfg: DictConfig) -> ConfigError | None:
+    """Why this sweep job would be refused by its keys or callables (validation.check_keys),
+    if it would. A value that cannot be resolved here (`${hydra:job.num}`: Hydra's runtime is
+    set only in the job) is left to the job."""
+    try:
+        check_keys(cfg)
+    except ConfigError as refusal:
+        return refusal
+    except OmegaConfBaseException:
+        return None
+    return None
 
 
 def check_hydra_flags(args: argparse.Namespace) -> None:
@@ -94,7 +111,7 @@ def check_hydra_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--resolve resolves what --cfg or --help shows: add --cfg job")
     if args.hydra_help:  # Hydra answers it before it counts the commands
         return
-    if args.package is not None and args.cfg is None and not args.help:
+    if args.package is not None and args.cfg is None and not (args.help or args.info):
         # Hydra ignores it, and runs: the user meant to see one part of the config
         raise ConfigError(f"--package {args.package} picks what --cfg shows: add --cfg job")
     given = {
@@ -182,7 +199,7 @@ def _unknown_key_mistake(
             )
         )
     except ConfigError as refusal:
-        return str(refusal) if found["key"] in str(refusal) else None
+        return str(refusal) if str(refusal).startswith(f"{found['key']} ") else None
     except Exception:  # noqa: BLE001 (another mistake: Hydra's line about this key stands)
         return None
     return None
@@ -238,7 +255,7 @@ def _found_mode(
     if not args.multirun and (args.cfg or args.info or args.shell_completion):
         return RunMode.RUN, overrides, None
     composed: DictConfig | None
-    config_name = args.config_name or "config"
+    config_name = config_name_of(args)
     try:
         composed = loader.load_configuration(
             config_name,
@@ -252,7 +269,10 @@ def _found_mode(
             if refuse_mistakes
             else None
         )
-        if refusal is not None:
+        # Hydra's advice to append a key (no did-you-mean found) is left to the run's own
+        # composition: where the key lies in a group left `???`, which this one skipped, that
+        # one names the group to pick instead.
+        if refusal is not None and not _APPEND_ADVICE.match(str(refusal)):
             raise refusal from None
         composed = None
     try:
@@ -263,6 +283,10 @@ def _found_mode(
         mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
         return mode, [*overrides, f"hydra.mode={mode.name}"], composed
     return found, overrides, composed
+
+
+def config_name_of(args: argparse.Namespace) -> str:
+    return args.config_name or "config"
 
 
 def _composes_the_run(args: argparse.Namespace) -> bool:
@@ -310,13 +334,13 @@ def _compositions(
     others at their first value): every file and value any job selects is composed once. A
     job Hydra would fail to compose is refused as the run's composition is."""
     try:
-        master = loader.load_configuration(args.config_name or "config", overrides, run_mode=mode)
+        master = loader.load_configuration(config_name_of(args), overrides, run_mode=mode)
     except Exception as error:  # noqa: BLE001 (Hydra would refuse the same composition)
         # Hydra's message, exit 2, without Hydra's own two compositions first; anything else
         # (and a user's HYDRA_FULL_ERROR=1) is left to Hydra, which reports it its way. So are
         # Hydra's own commands: --info, --hydra-help (which composes no app config) and shell
         # completion (whose arguments, `-sc install=bash`, are not overrides).
-        refusal = composition_refusal(error, loader, overrides, args.config_name or "config", mode)
+        refusal = composition_refusal(error, loader, overrides, config_name_of(args), mode)
         if refusal is not None and _composes_the_run(args):
             raise refusal from None
         return
@@ -336,7 +360,7 @@ def _compositions(
         try:
             composed = loader.load_sweep_config(master, job)
         except Exception as error:  # noqa: BLE001 (this job fails in Hydra too, before its logging is set up)
-            refusal = composition_refusal(error, loader, job, args.config_name or "config")
+            refusal = composition_refusal(error, loader, job, config_name_of(args))
             if refusal is not None and _composes_the_run(args):
                 raise refusal from None
             continue

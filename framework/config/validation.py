@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib.util
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -420,14 +421,22 @@ def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:
     )
     for key in ("rdzv_last_call_s", "rdzv_keep_alive_s", "rdzv_keep_alive_attempts"):
         require(launcher[key] >= 1, f"launcher.{key}={launcher[key]} must be >= 1")
-    endpoint = str(launcher.rdzv_endpoint)
-    host, colon, port = endpoint.rpartition(":")
-    if colon and ":" not in host:  # host:port (a bare host takes torch's default port)
-        require(
-            port.isdigit() and int(port) <= 65535,
-            f"launcher.rdzv_endpoint={endpoint}: give host:port with a port from 0 to 65535 "
-            "(0 picks a free one, on one node)",
-        )
+    _check_rdzv_endpoint(str(launcher.rdzv_endpoint))
+
+
+def _check_rdzv_endpoint(endpoint: str) -> None:
+    """host:port, or [IPv6]:port, with a port torch's rendezvous takes (it would refuse it only
+    once the run dir exists); a bare host or IPv6 address takes torch's default port."""
+    if endpoint.startswith("["):
+        rest = endpoint.partition("]")[2]
+        port = rest[1:] if rest.startswith(":") else None
+    else:
+        port = endpoint.partition(":")[2] if endpoint.count(":") == 1 else None
+    require(
+        port is None or (re.fullmatch(r"[0-9]{1,5}", port) is not None and int(port) <= 65535),
+        f"launcher.rdzv_endpoint={endpoint}: give host:port with a port from 0 to 65535 "
+        "(0 picks a free one, on one node)",
+    )
 
 
 def _check_submitit(launcher: DictConfig, cfg: DictConfig) -> None:

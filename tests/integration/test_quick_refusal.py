@@ -119,6 +119,7 @@ FLAGS_HYDRA_ANSWERS = [
     (["--cfg", "job", "-p", "trainer.stop_signals[0]", ONE_RANK], "SIGTERM"),  # as Hydra selects
     (["--hydra-help", "--cfg", "job", "-p", "nosuch"], "Hydra ("),  # its help answers first
     (["--config-dir", "", "--cfg", "job", "-p", "mode", ONE_RANK], "train"),  # "": the working dir
+    (["--info", "-p", "model", ONE_RANK], "Hydra "),  # --info ignores -p
 ]
 
 

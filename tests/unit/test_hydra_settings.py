@@ -273,6 +273,28 @@ def test_a_composition_hydra_refuses_is_refused_with_hydras_message_before_hydra
     assert check_composed_hydra_node(["data.batch_size=abc"], app=True) is None
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "optimizer=sgd,adamw", "optimizer.lr=0.1"],
+        ["-m", "optimizer=sgd,adamw", "optimizer.momentum=0.8"],  # AdamW's job fails alone
+        ["-m", "optimizer.lr=0.1,0.05", "data.split_seed=${hydra:job.num}"],  # set in the job
+    ],
+)
+def test_a_sweep_whose_jobs_are_not_all_mistaken_is_not_refused_whole(argv):
+    check_command_line(argv)
+    check_composed_hydra_node(argv, app=True)
+
+
+def test_a_key_of_a_group_left_unpicked_is_refused_naming_the_group(tmp_path):
+    """The first composition skips a group left `???`, so the key is not there: the run's
+    composition names the group to pick, instead of advising to append the key."""
+    shipped = (Path(__file__).parents[2] / "conf" / "config.yaml").read_text()
+    write(tmp_path, "mine.yaml", re.sub(r"(?m)^  - model: .*$", "  - model: ???", shipped))
+    message = refusal(["-cd", str(tmp_path), "-cn", "mine", "model.width=16"])
+    assert message.startswith("You must specify 'model', e.g, model=<OPTION>")
+
+
 def test_a_file_that_is_not_yaml_is_refused_naming_the_file_and_line(tmp_path):
     message = refusal(experiment(tmp_path, "trainer: {max_steps: [1\n", "broken"))
     assert message == (

@@ -7,7 +7,9 @@ import logging
 
 import pytest
 
+from framework.config import validate
 from framework.config.validation import joins_other_node, node_range
+from framework.core.exits import ConfigError
 from framework.core.launch_context import detect
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start
 from framework.launch.torchrun.agent import (
@@ -140,3 +142,27 @@ def test_the_agents_report_of_a_failed_worker_is_one_line_without_a_traceback():
     assert kept.lines == [
         "failed (exitcode: 3) local_rank: 0: process 0 terminated with exit code 3"
     ]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "refused"),
+    [
+        ("localhost:0", False),
+        ("node1", False),  # torch's default port
+        ("[::1]:29500", False),
+        ("::1", False),
+        ("localhost:abc", True),
+        ("node1:²", True),  # a digit to str.isdigit, not to int()
+        ("localhost:000000", True),  # torch takes 1 to 5 digits
+        ("localhost:70000", True),
+        ("[::1]:70000", True),
+    ],
+)
+def test_a_rendezvous_port_torch_would_refuse_is_refused_first(endpoint, refused):
+    """torch's rendezvous refuses it only after the run dir exists, with a traceback."""
+    cfg = make_cfg("launcher=torchrun", f"launcher.rdzv_endpoint='{endpoint}'")
+    if refused:
+        with pytest.raises(ConfigError, match="give host:port with a port from 0 to 65535"):
+            validate(cfg)
+    else:
+        validate(cfg)
