@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
@@ -100,7 +100,7 @@ def _sweep_job_refusal(cfg: DictConfig) -> ConfigError | None:
     except ConfigError as refusal:
         return refusal
     except OmegaConfBaseException:
-        return None
+        pass
     return None
 
 
@@ -302,9 +302,9 @@ def _sweeps(overrides: list[str]) -> bool:
     return any(override.is_sweep_override() for override in parsed)
 
 
-def _validate(cfg: DictConfig, check: Callable[[DictConfig], None] = validate) -> None:
+def _validate(cfg: DictConfig) -> None:
     try:
-        check(cfg)
+        validate(cfg)
     except OmegaConfBaseException as error:  # a value that is not of its key's type
         raise ConfigError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
 
@@ -340,9 +340,7 @@ def _compositions(
         # (and a user's HYDRA_FULL_ERROR=1) is left to Hydra, which reports it its way. So are
         # Hydra's own commands: --info, --hydra-help (which composes no app config) and shell
         # completion (whose arguments, `-sc install=bash`, are not overrides).
-        refusal = composition_refusal(error, loader, overrides, config_name_of(args), mode)
-        if refusal is not None and _composes_the_run(args):
-            raise refusal from None
+        _refuse_a_mistake(error, loader, overrides, args, mode)
         return
     yield master, overrides, False
     if mode is RunMode.RUN:
@@ -360,11 +358,23 @@ def _compositions(
         try:
             composed = loader.load_sweep_config(master, job)
         except Exception as error:  # noqa: BLE001 (this job fails in Hydra too, before its logging is set up)
-            refusal = composition_refusal(error, loader, job, config_name_of(args))
-            if refusal is not None and _composes_the_run(args):
-                raise refusal from None
+            _refuse_a_mistake(error, loader, job, args, RunMode.RUN)
             continue
         yield composed, [*recorded["hydra"], *job], True
+
+
+def _refuse_a_mistake(
+    error: Exception,
+    loader: ConfigLoaderImpl,
+    overrides: list[str],
+    args: argparse.Namespace,
+    mode: RunMode,
+) -> None:
+    """Raise the refusal of a composition's error that is a config mistake, where Hydra would
+    compose these arguments as a run's; anything else is left to Hydra."""
+    refusal = composition_refusal(error, loader, overrides, config_name_of(args), mode)
+    if refusal is not None and _composes_the_run(args):
+        raise refusal from None
 
 
 def _sweep_values(master: DictConfig, overrides: list[str]) -> dict[str, list[str]]:

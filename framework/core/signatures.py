@@ -389,15 +389,14 @@ def module_suggestion(target: str) -> str | None:
     """For a `target` that names a module, not a callable (`torch.optim.adam`): the callable
     meant, a name its parent binds in another case (`torch.optim.Adam`), else the one public
     class or function the module defines; None where `target` is no module or nothing fits."""
-    if source_file(target) is None:
+    path = source_file(target)
+    if path is None:
         return None
     parent, _, name = target.rpartition(".")
-    members = _members(parent) if parent else set()
-    same = sorted(member for member in members if member.lower() == name.lower() != member)
-    if same:
-        return f"{parent}.{same[0]}"
-    path = source_file(target)
-    tree = parsed(path) if path is not None else None
+    same = _in_another_case(name, _members(parent) - {name}) if parent else None
+    if same is not None:
+        return f"{parent}.{same}"
+    tree = parsed(path)
     defined = [
         node.name
         for node in (tree.body if tree is not None else [])
@@ -409,11 +408,16 @@ def module_suggestion(target: str) -> str | None:
 def _nearest(name: str, candidates: set[str]) -> str | None:
     """The candidate `name` was meant to be: the same name in another case first (`Adamw` is
     AdamW, not Adam; `Amp` is AMP, which no spelling distance finds), else the closest."""
-    same = sorted(candidate for candidate in candidates if candidate.lower() == name.lower())
-    if same:
-        return same[0]
+    same = _in_another_case(name, candidates)
+    if same is not None:
+        return same
     close = difflib.get_close_matches(name, sorted(candidates), n=1)
     return close[0] if close else None
+
+
+def _in_another_case(name: str, candidates: set[str]) -> str | None:
+    same = sorted(candidate for candidate in candidates if candidate.lower() == name.lower())
+    return same[0] if same else None
 
 
 def _members(module: str, budget: int = 3) -> set[str]:
