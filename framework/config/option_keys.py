@@ -2,7 +2,9 @@
 signature says. A misspelt keyword (`+model.hiden=3`, `data.val_fracton=0.3`) is refused with a
 did-you-mean before the run dir exists, instead of failing in every rank with a traceback or,
 where the callable swallows `**kwargs`, training silently with the default; `data.noise=abc`
-for a `noise: float` is refused like a typed key.
+for a `noise: float` is refused like a typed key. So is a parameter without a default that
+neither the option nor the framework gives (`~model.width`), and a null where the annotation
+takes none (model=gpt's `vocab_size: ${data.vocab_size}` with image data).
 
 A key is known when it is a parameter of the callable (`_target_`, read from source without
 importing it: signatures.py) or a field of its group's base schema (the keys the framework
@@ -16,6 +18,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,21 +29,45 @@ from framework.core.exits import ConfigError
 from framework.core.signatures import Signature, signature_of
 
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_convert_", "_recursive_", "_args_"})
+# The keywords the framework gives each group's callable when it calls it (framework/rank/
+# build.py, components/optim.py, components/loggers.py): an option need not set them.
+GIVEN_AT_CALL: dict[str, frozenset[str]] = {
+    "data": frozenset({"collate_fn"}),
+    "optimizer": frozenset({"params", "lr"}),
+    "scheduler": frozenset({"optimizer", "total_steps"}),
+    "precision": frozenset({"device"}),
+    "comm": frozenset({"env"}),
+    "logger": frozenset({"run", "config", "resume_id", "resume_step"}),
+}
 
 
 def check_target_keys(cfg: DictConfig) -> None:
     """Raise ConfigError for a key of an option that nothing takes, or of a type its callable
-    does not take. Reads the callables' source; imports nothing."""
+    does not take, and for a parameter the callable needs that nothing gives. Reads the
+    callables' source; imports nothing."""
     for path, node, base in _component_nodes(cfg):
         declared = HYDRA_KEYS | _fields(base)
-        extra = [str(key) for key in node if str(key) not in declared]
-        if not extra:  # every key is the framework's: nothing to read
-            continue
         signature = signature_of(str(node._target_))
         if signature is None:  # not readable from source: instantiate reports what it finds
             continue
-        for key in extra:
+        for key in (str(key) for key in node if str(key) not in declared):
             _check_key(path, key, node, signature, declared)
+        _check_required(path, node, signature, GIVEN_AT_CALL.get(path.split(".")[0], frozenset()))
+
+
+def _check_required(
+    path: str, node: DictConfig, signature: Signature, given: frozenset[str]
+) -> None:
+    """Every parameter without a default is in the option or given by the framework (positional
+    `_args_` may give any of them)."""
+    if "_args_" in node:
+        return
+    for name, parameter in signature.parameters.items():
+        if parameter.required and name not in node and name not in given:
+            raise ConfigError(
+                f"{path}.{name} is not set and {signature.target} has no default for it: "
+                f"give it a value (+{path}.{name}=...)"
+            )
 
 
 def _check_key(
@@ -48,8 +75,11 @@ def _check_key(
 ) -> None:
     parameter = signature.parameters.get(key)
     if parameter is not None:
-        if parameter.annotation is not None:
-            check_type(f"{path}.{key}", node[key], parameter.annotation, signature.target)
+        annotation = parameter.annotation
+        if annotation is not None:
+            if node[key] is None and not _may_be_null(annotation, parameter.default):
+                _refuse_null(path, key, node, annotation, signature.target)
+            check_type(f"{path}.{key}", node[key], annotation, signature.target)
         return
     known = (set(signature.parameters) | declared) - HYDRA_KEYS
     close = difflib.get_close_matches(key, sorted(known), n=1)
@@ -61,6 +91,29 @@ def _check_key(
         else f"it takes {', '.join(sorted(signature.parameters)) or 'no keyword'}"
     )
     raise ConfigError(f"{path}.{key} is not a setting of {signature.target}: {hint}")
+
+
+def _may_be_null(annotation: ast.expr, default: ast.expr | None) -> bool:
+    """None is the parameter's own default, or its annotation takes it (or says nothing
+    checkable)."""
+    default_is_none = isinstance(default, ast.Constant) and default.value is None
+    return default_is_none or _accepts(annotation, None) is not False
+
+
+def _refuse_null(path: str, key: str, node: DictConfig, annotation: ast.expr, target: str) -> None:
+    written = ast.unparse(annotation)
+    if OmegaConf.is_interpolation(node, key):  # a setting of another group that is not set
+        raw = OmegaConf.to_container(node, resolve=False)
+        source = str(raw[key]) if isinstance(raw, dict) else "an interpolation"
+        other = re.fullmatch(r"\$\{(\w+)\.([\w.]+)\}", source)
+        fix = f"pick a {other[1]} option that sets {other[1]}.{other[2]}" if other else "set it"
+        raise ConfigError(
+            f"{path}.{key} is null (from {source}) but {target} takes {key}: {written}: "
+            f"{fix}, or give {path}.{key} a value"
+        )
+    raise ConfigError(
+        f"{path}.{key}=null is not of type {written}: {target} takes {key}: {written}"
+    )
 
 
 def _component_nodes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig, type | None]]:

@@ -13,7 +13,6 @@ import difflib
 import importlib.util
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -24,6 +23,7 @@ from framework.config.data_sizes import check_data_sizes
 from framework.config.option_keys import check_target_keys
 from framework.config.registry import LAUNCHERS, shipped_choice, shipped_targets
 from framework.config.resolvers import gpu_count
+from framework.config.value_rules import VALUE_RULES, Check, require
 from framework.core import launch_context
 from framework.core.allowlist import check_targets, trusted_prefixes
 from framework.core.exits import ConfigError
@@ -51,11 +51,6 @@ LOGGER_PACKAGES = {
     "framework.components.loggers.TensorBoardSink": "tensorboard",
     "framework.components.loggers.MLflowSink": "mlflow",
 }
-
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
 
 
 # The framework's own sections: every key is a field of their schema (`+trainer.max_step=...`
@@ -611,7 +606,6 @@ def _check_logger(name: str, logger: DictConfig, cfg: DictConfig) -> None:
         check(logger, cfg)
 
 
-Check = Callable[[DictConfig, DictConfig], None]  # (the group's node, the whole config)
 CHECKS: dict[str | type, Check] = {
     s.LocalLauncherConfig: _check_local,
     s.TorchrunLauncherConfig: _check_torchrun,
@@ -624,6 +618,7 @@ CHECKS: dict[str | type, Check] = {
     "framework.components.tasks.Classification": _check_classification,
     "framework.components.loggers.CsvSink": _check_csv_logger,
     "framework.components.loggers.MLflowSink": _check_mlflow_logger,
+    **VALUE_RULES,
 }
 
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import random
 import re
+import sysconfig
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,9 +28,11 @@ import torch
 # anyway; imported there, after gloo's threads had started, it made successful ranks abort at
 # exit ("terminate called without an active exception") in 3 of ~100 runs (torch 2.13).
 import torch._dynamo
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+import framework
 from framework.components.data import Loaders, Splits, build_loaders, load_splits, to_device
 from framework.components.ema import EMA
 from framework.components.optim import build_optimizer, scaled_lr
@@ -42,7 +48,7 @@ from framework.config.schemas import TrainerConfig
 from framework.config.validation import resolve_monitor
 from framework.core import startup_clock
 from framework.core.distributed import host_group
-from framework.core.exits import ConfigError
+from framework.core.exits import ConfigError, first_line
 from framework.core.launch_context import DistEnv
 from framework.rank.loop import Outputs, Runner, planned_steps
 from framework.rank.model_selection import ModelSelection
@@ -80,12 +86,14 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
     global_batch_size = cfg.data.batch_size * env.world_size * trainer.grad_accum
     seed_everything(trainer.seed)  # same seed on every rank: identical initial weights
     log.info("Instantiating task <%s>", cfg.task._target_)
-    task = instantiate(cfg.task)
+    with settings_refused("task", cfg.task):
+        task = instantiate(cfg.task)
     splits, loaders = build_data(cfg.data, trainer, env, device, global_batch_size)
     startup_clock.mark("data")
     total_steps = planned_steps(trainer, len(loaders.train) // trainer.grad_accum)
     log.info("Instantiating precision <%s>", cfg.precision._target_)
-    precision = instantiate(cfg.precision)(device=device)
+    with settings_refused("precision", cfg.precision):
+        precision = instantiate(cfg.precision)(device=device)
     ddp_options = OmegaConf.to_container(cfg.dist.ddp)  # DistributedDataParallel's keywords
     with refused_if_too_large(cfg.model, device):
         model = build_model(
@@ -123,9 +131,11 @@ def build_data(
     global_batch_size: int,
 ) -> tuple[Splits, Loaders]:
     log.info("Instantiating data <%s>", data._target_)
-    splits = load_splits(data)  # the loaders' collate_fn is built below
+    with settings_refused("data", data):
+        splits = load_splits(data)  # the loaders' collate_fn is built below
     collate_node = data.get("collate_fn")
-    collate_fn = instantiate(collate_node) if collate_node is not None else None
+    with settings_refused("data.collate_fn", collate_node):
+        collate_fn = instantiate(collate_node) if collate_node is not None else None
     if len(splits.val) == 0:  # evaluation would fail at its first batch, after training
         raise ConfigError(
             f"data: the validation split of {data._target_} is empty: give it samples "
@@ -155,9 +165,10 @@ def build_model(
     that shards builds the model on the meta device and initialises each rank's shards after
     sharding: no rank holds the whole model."""
     log.info("Instantiating strategy <%s>", strategy_cfg._target_)
-    strategy = instantiate(strategy_cfg)
+    with settings_refused("strategy", strategy_cfg):
+        strategy = instantiate(strategy_cfg)
     log.info("Instantiating model <%s>", model_cfg._target_)
-    module, recipe = strategy.build(lambda: instantiate(model_cfg), env)
+    module, recipe = strategy.build(lambda: _built("model", model_cfg), env)
     if trainer.sync_batchnorm and env.distributed:
         if device.type != "cuda":
             raise ConfigError(
@@ -198,6 +209,96 @@ def refused_if_too_large(model_cfg: DictConfig, device: torch.device) -> Iterato
             f"model: {model_cfg._target_} is too large for the {device.type} memory of this "
             f"machine{asked}; make it smaller ({_largest_setting(model_cfg)})"
         ) from None
+
+
+# What a constructor raises when its settings are wrong: a ValueError of its own, a keyword it
+# cannot take, torch's RuntimeError on a negative size, an assert. Any other exception (a
+# NameError, an ImportError, a missing file) is a fault in code or files and keeps its traceback.
+SETTINGS_ERRORS = (ValueError, TypeError, RuntimeError, AssertionError, ArithmeticError)
+# Where a line would not tell a user what to change: installed libraries, Python's own, and the
+# framework's wiring. A component's own file is named wherever it is (a shipped model's too).
+LIBRARIES = tuple(
+    str(Path(sysconfig.get_paths()[name]).resolve()) for name in ("stdlib", "purelib", "platlib")
+)
+FRAMEWORK = str(Path(framework.__file__).parent.resolve())
+
+
+@contextlib.contextmanager
+def settings_refused(path: str, node: DictConfig | None) -> Iterator[None]:
+    """A component whose constructor refuses its settings is a config mistake, as if a rule had
+    caught it before start-up: one line naming the option, what it was given, the error and
+    the line of code that raised it (every rank raises alike; nothing was trained, so the run
+    dir goes). Shipped components have their rules (config/value_rules.py); this is what a
+    project's own components get."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as error:
+        cause = error.__cause__ if isinstance(error, InstantiationException) else error
+        if not isinstance(cause, SETTINGS_ERRORS) or _out_of_memory(cause) is not None:
+            raise
+        raise ConfigError(
+            f"{path}: {node._target_}({_settings(node)}) refused its settings: "
+            f"{type(cause).__name__}: {first_line(cause, 200)}"
+            f"{_raised_at(cause, str(node._target_))}: check {path}'s settings"
+        ) from None
+
+
+def _built(path: str, node: DictConfig) -> Any:
+    with settings_refused(path, node):
+        return instantiate(node)
+
+
+def _settings(node: DictConfig, limit: int = 120) -> str:
+    """The keys the callable takes, as it got them (the framework's own keys left out)."""
+    given = OmegaConf.to_container(node, resolve=True)
+    takes = _parameters(str(node._target_))
+    text = ", ".join(
+        f"{key}={value!r}"
+        for key, value in given.items()
+        if key[:1] != "_" and (takes is None or key in takes)
+    )
+    return text if len(text) <= limit else text[:limit].rsplit(",", 1)[0] + ", ..."
+
+
+def _parameters(target: str) -> set[str] | None:
+    """The callable's keywords; None when it takes any (or cannot be read)."""
+    try:
+        parameters = inspect.signature(get_object(target)).parameters.values()
+    except (ImportError, ValueError, TypeError, AttributeError):
+        return None
+    if any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters):
+        return None
+    return {parameter.name for parameter in parameters}
+
+
+def _raised_at(error: BaseException, target: str) -> str:
+    """The line that raised it, in the component's own code (a project's model, a shipped
+    model's file); nothing when it was raised in torch or the framework's wiring."""
+    own = _source_file(target)
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if (path := str(Path(frame.filename).resolve())) == own
+        or not path.startswith((*LIBRARIES, FRAMEWORK))
+    ]
+    if not frames:
+        return ""
+    where = Path(frames[-1].filename).resolve()
+    with contextlib.suppress(ValueError):
+        where = where.relative_to(Path.cwd())
+    return f" (raised at {where}:{frames[-1].lineno})"
+
+
+def _source_file(target: str) -> str | None:
+    """The file that defines the component, unless a library installed beside the framework
+    (torch's optimizers) does."""
+    try:
+        path = str(Path(inspect.getsourcefile(get_object(target)) or "").resolve())
+    except (ImportError, ValueError, TypeError, AttributeError):
+        return None
+    return None if path.startswith(LIBRARIES) and not path.startswith(FRAMEWORK) else path
 
 
 def _out_of_memory(error: BaseException | None) -> str | None:
@@ -253,15 +354,18 @@ def check_task(task: Task, module: torch.nn.Module, batch: Any, device: torch.de
 def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimization:
     """The DDP comm hook (registered on the model), optimizer and schedule, with precision."""
     model, precision = parts.model, parts.precision
-    comm = instantiate(cfg.comm)(env=env)
+    with settings_refused("comm", cfg.comm):
+        comm = instantiate(cfg.comm)(env=env)
     comm.guard_nonfinite = parts.trainer.on_nonfinite == "skip"
     comm.attach(model.train, model.module, grad_scale=precision.loss_scale)
     comm.sharded = model.strategy.wire_bytes(model.module, parts.trainer.grad_accum)
     lr = scaled_lr(cfg.optimizer, parts.global_batch_size)
     log.info("Instantiating optimizer <%s> lr=%g", cfg.optimizer._target_, lr)
     overrides = model.strategy.optimizer_overrides(cfg.optimizer)
-    optimizer = build_optimizer(cfg.optimizer, model.module, lr, overrides)
-    scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=parts.total_steps)
+    with settings_refused("optimizer", cfg.optimizer):
+        optimizer = build_optimizer(cfg.optimizer, model.module, lr, overrides)
+    with settings_refused("scheduler", cfg.scheduler):
+        scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=parts.total_steps)
     return Optimization(optimizer, scheduler, precision, comm)
 
 

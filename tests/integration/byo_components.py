@@ -11,6 +11,8 @@ from framework.components.data import Splits
 
 class TinyNet(nn.Module):
     def __init__(self, in_channels: int, num_classes: int, depth: int) -> None:
+        if depth < 1:  # what a user's model says of a setting it cannot take
+            raise ValueError(f"depth must be at least 1, got {depth}")
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_channels * 4 * 4

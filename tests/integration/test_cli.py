@@ -300,3 +300,45 @@ def test_bring_your_own_model_and_dataset_through_target(cli, tmp_path):
     config = (run_dir / "config.yaml").read_text()
     assert "TinyNet" in config and "depth: 3" in config
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8  # 64/(8*2) x 2
+
+
+def test_a_constructor_that_refuses_its_settings_is_one_line_naming_where(cli, tmp_path):
+    """What no rule knows before start-up (a project's own model, a torch optimizer's own
+    check): the constructor's error, as one line from every rank, exit 2, no run dir."""
+    byo = Path(__file__).parent / "byo"
+    result = cli(
+        f"hydra.searchpath=[file://{byo}]",
+        "model=my_net",
+        "data=my_data",
+        "model.depth=0",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    raised_at = Path(__file__).parent / "byo_components.py"
+    line = next(
+        number
+        for number, text in enumerate(raised_at.read_text().splitlines(), 1)
+        if "raise ValueError" in text
+    )
+    assert errors == [
+        "error: model: tests.integration.byo_components.TinyNet(num_classes=2, in_channels=2, "
+        "depth=0) refused its settings: ValueError: depth must be at least 1, got 0 (raised at "
+        f"{raised_at}:{line}): check model's settings"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_torch_optimizer_that_refuses_its_settings_is_one_line(cli, tmp_path):
+    result = cli("launcher.nproc_per_node=1", "optimizer.weight_decay=-1", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith("error: optimizer: torch.optim.SGD(lr=0.1, weight_decay=-1.0, ")
+    assert errors[0].endswith(
+        ") refused its settings: ValueError: Invalid weight_decay value: -1.0: "
+        "check optimizer's settings"
+    )
+    assert list(tmp_path.iterdir()) == []

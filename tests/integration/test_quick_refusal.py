@@ -53,6 +53,22 @@ MISTAKES = [
     ("-m data.batch_sizee=1,2", "data.batch_sizee is not a setting of"),
     ("-m optimizer.lr=0.1,abc", "Error merging override optimizer.lr=abc"),
     ("-m trainer.max_step=2,3", "did you mean trainer.max_steps?"),
+    # Values a shipped component's constructor (or its first step) would fail on inside a rank.
+    ("model.width=-4", "error: model.width=-4 must be >= 1"),
+    ("model=mlp model.hidden_sizes=[8,0]", "error: model.hidden_sizes=[8, 0] must be >= 1"),
+    ("experiment=char_gpt model.heads=3", "error: model.heads=3 does not divide model.width=128"),
+    ("scheduler=step scheduler.step_size=0", "error: scheduler.step_size=0 must be >= 1"),
+    ("model=vae", "error: model=vae returns (reconstruction, mu, logvar), which only task="),
+    # A parameter without a default that nothing gives, and a null where it takes none.
+    (
+        "~model.width",
+        "error: model.width is not set and framework.components.models.SmallCNN has no default",
+    ),
+    (
+        "model=gpt",
+        "error: model.vocab_size is null (from ${data.vocab_size}) but framework.components."
+        "models.GPT takes vocab_size: int: pick a data option that sets data.vocab_size",
+    ),
 ]
 
 

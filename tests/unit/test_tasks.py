@@ -163,6 +163,12 @@ class VectorLoss(Task):
         return {"loss": totals["loss"] / totals["count"]}
 
 
+class TupleOfLogits(nn.Module):
+    def forward(self, tokens):
+        logits = torch.zeros(*tokens.shape, 5)
+        return logits, logits
+
+
 # Weights and inputs from a fixed seed, whatever ran before: the logits check reads the
 # untrained model's outputs, and an unlucky draw puts all of a small batch's in [0, 1].
 _rng_before = torch.random.get_rng_state()
@@ -224,6 +230,25 @@ MISFITS = [
         ["inputs in [0, 1]", "data.normalize=false"],
     ),
     (VectorLoss(), SmallCNN(1, 10, 4), (images, labels), ["must be a scalar", "got shape [4]"]),
+    # A model returning a tuple to a task that reads one tensor (a VAE of one's own).
+    (
+        Classification(**option_values("task", "classification")),
+        VAE(1, 8, 2, 8, sample=False),
+        (images, labels),
+        ["task=classification reads one tensor of class logits", "returns (float32 [4, 1, 8, 8]"],
+    ),
+    (
+        Regression(),
+        VAE(1, 8, 2, 8, sample=False),
+        (images, torch.rand(4)),
+        ["task=regression reads one tensor of predictions", "task=autoencoder task.vae=true"],
+    ),
+    (
+        LanguageModel(**option_values("task", "language_model")),
+        TupleOfLogits(),
+        (labels.view(2, 2), labels.view(2, 2)),
+        ["task=language_model reads one tensor of logits", "returns (float32 [2, 2, 5]"],
+    ),
 ]
 torch.random.set_rng_state(_rng_before)
 

@@ -206,6 +206,17 @@ class Task:
             f"({problem}): {self.fix}"
         )
 
+    def one_tensor(self, outputs: Any, what: str) -> torch.Tensor:
+        """The model's outputs, where this task reads a single tensor of `what` from it; a
+        ConfigError naming what it returned otherwise."""
+        if isinstance(outputs, torch.Tensor):
+            return outputs
+        raise ConfigError(
+            f"task={self.name} reads one tensor of {what} from the model, which returns "
+            f"{batch_shapes(outputs)}: return one tensor from forward() (a VAE's (reconstruction, "
+            "mu, logvar) goes with task=autoencoder task.vae=true)"
+        )
+
     def artifacts(
         self, model: nn.Module, val_batch: Any, decode: Callable | None = None
     ) -> dict[str, torch.Tensor | str]:

@@ -81,6 +81,7 @@ class Classification(Task):
             logits, targets = self._split(model, batch)
         except Exception as error:  # noqa: BLE001
             raise self.misfit(batch, f"{type(error).__name__}: {error}") from None
+        logits = self.one_tensor(logits, "class logits")
         if (
             not isinstance(targets, torch.Tensor)
             or targets.is_floating_point()

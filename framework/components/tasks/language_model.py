@@ -75,7 +75,7 @@ class LanguageModel(Task):
             not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dim() != 2 for t in tokens
         ):
             raise self.misfit(batch, "inputs and targets must be integer token ids [batch, time]")
-        logits = model(inputs)
+        logits = self.one_tensor(model(inputs), "logits [batch, time, vocabulary]")
         if logits.dim() != 3 or logits.shape[:2] != targets.shape:
             raise ConfigError(
                 f"task=language_model: the model returns {list(logits.shape)} for tokens "
