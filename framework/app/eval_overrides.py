@@ -43,7 +43,18 @@ def with_training_overrides(argv: list[str]) -> tuple[list[str], Path | None, li
         return argv, None, []
     given = [override.key_or_group for override in overrides]
     adopted = [line for line in _recorded(record, adopts) if not _overridden(line, given)]
-    return adopted + argv, record, adopted
+    return _before_overrides(argv, list(args.overrides), adopted), record, adopted
+
+
+def _before_overrides(argv: list[str], overrides: list[str], adopted: list[str]) -> list[str]:
+    """argv with `adopted` just before its overrides, after any flag: argparse takes the
+    overrides as one run (`-cd conf mode=eval ...` keeps -cd first)."""
+    start = next(
+        at
+        for at in range(len(argv) - len(overrides) + 1)
+        if argv[at : at + len(overrides)] == overrides
+    )
+    return argv[:start] + adopted + argv[start:]
 
 
 def _record_of(values: dict[str, Any]) -> tuple[Path | None, Any]:

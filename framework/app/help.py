@@ -22,6 +22,7 @@ from framework.app.hydra_node_check import composition_refusal, config_name_of, 
 from framework.config.redaction import remember_secrets
 from framework.config.registry import register_configs
 from framework.config.resolvers import group_listing
+from framework.config.validation import check_keys
 from framework.core.allowlist import parsed_arguments
 
 APP_NAME = "train"  # what Hydra names the job of framework/train.py
@@ -46,6 +47,7 @@ def help_text(argv: list[str]) -> str | None:
             raise
         raise refusal from None
     remember_secrets(cfg)  # the console scrubs them from the text printed
+    check_keys(cfg)  # the config shown is the one meant: no misspelt key, no value of a wrong type
     template = string.Template(_template(cfg))
     return template.safe_substitute(
         FLAGS_HELP=Hydra.format_args_help(get_args_parser()),

@@ -80,6 +80,10 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
         if app and not args.cfg and mode is RunMode.RUN:
             _validate(cfg)
             validated = cfg
+        elif app and args.cfg in ("job", "all"):
+            # The config shown is the one meant: a misspelt key or a value of the wrong type
+            # is refused as the run would refuse it. A value a rule refuses is shown as it is.
+            check_keys(cfg)
         elif app and not args.cfg and sweep_job:
             jobs += 1
             if (refusal := _sweep_job_refusal(cfg)) is not None:

@@ -13,6 +13,7 @@ callback of ours runs, so it is checked before Hydra starts: on the command line
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.machinery
 import importlib.util
 import os
@@ -443,6 +444,35 @@ def parsed_arguments(argv: list[str]) -> argparse.Namespace | None:
         return None
 
 
+def argument_mistake(argv: list[str]) -> str | None:
+    """Why Hydra's parser refuses argv, as one line with the fix (argparse prints its whole
+    usage text), or None where it parses: a flag it does not have, an override after a flag
+    that follows other overrides (argparse takes one run of them), a flag's value it does not
+    take."""
+    parser = get_args_parser()
+
+    def refuse(message: str) -> NoReturn:
+        raise ValueError(message)
+
+    parser.error = refuse  # type: ignore[method-assign]
+    try:
+        _, extra = parser.parse_known_args(argv)
+    except ValueError as refused:  # a flag's value: argparse's line names the flag and choices
+        return f"{refused}: train --help lists the flags"
+    unknown = [arg for arg in extra if arg.startswith("-")]
+    if unknown:
+        flags = [flag for action in parser._actions for flag in action.option_strings]
+        near = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)
+        hint = f"did you mean {near[0]}?" if near else "train --help lists them"
+        return f"{unknown[0]} is not a flag of train: {hint}"
+    if extra:
+        return (
+            f"{extra[0]} comes after a flag that follows other overrides: put the flags "
+            "(-m, --cfg job, ...) before every override"
+        )
+    return None
+
+
 def parse_command_line(argv: list[str]) -> tuple[list[Any], str | None]:
     """Hydra's own parsing of argv: (overrides, --experimental-rerun file)."""
     args = parsed_arguments(argv)
@@ -513,6 +543,9 @@ def check_command_line(argv: list[str]) -> None:
     """Refuse overrides that would run code Hydra instantiates before our callback runs, that
     change the allowlist, or that set a key of Hydra's node off the positive list
     (core/hydra_settings.py). Raises ConfigError naming the override and the fix."""
+    mistake = argument_mistake(argv)
+    if mistake is not None:
+        raise ConfigError(mistake)
     overrides, rerun = parse_command_line(argv)
     if rerun is not None:
         raise ConfigError("--experimental-rerun loads a pickle, which can run any code: refused")

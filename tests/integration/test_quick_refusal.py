@@ -85,6 +85,18 @@ FLAG_MISTAKES = [
     ("--cfg job -p model.nosuch", "error: --package model.nosuch: not a key, or null"),
     ("--cfg job ~logger optimizer=1", "error: optimizer=1: optimizer is a config group"),
     ("-p model", "error: --package model picks what --cfg shows: add --cfg job"),
+    # The config --cfg or --help shows is the one meant: a misspelt key is refused as the run
+    # would refuse it.
+    ("--cfg job data.batch_sizee=3", "error: data.batch_sizee is not a setting of"),
+    ("--help optimizer.lrr=1", "is not a setting of torch.optim.SGD: did you mean optimizer.lr?"),
+    # What argparse refused with its whole usage text.
+    ("--cfgg job", "error: --cfgg is not a flag of train: did you mean --cfg?"),
+    ("--cfg jb", "error: argument --cfg/-c: invalid choice: 'jb' (choose from 'job', 'hydra'"),
+    (
+        "data.batch_size=3 -m optimizer.lr=0.1,0.2",
+        "error: optimizer.lr=0.1,0.2 comes after a flag that follows other overrides: put the "
+        "flags (-m, --cfg job, ...) before every override",
+    ),
 ]
 
 
@@ -136,6 +148,8 @@ FLAGS_HYDRA_ANSWERS = [
     (["--hydra-help", "--cfg", "job", "-p", "nosuch"], "Hydra ("),  # its help answers first
     (["--config-dir", "", "--cfg", "job", "-p", "mode", ONE_RANK], "train"),  # "": the working dir
     (["--info", "-p", "model", ONE_RANK], "Hydra "),  # --info ignores -p
+    # A value a rule refuses is shown as it is (what is wrong with it is the run's to say).
+    (["--cfg", "job", "-p", "model.width", "model.width=-4", ONE_RANK], "-4"),
 ]
 
 

@@ -66,7 +66,10 @@ MISTAKES = [
         "data.batch_size=400: the training split (1438 samples) is smaller than one global batch "
         "(1600 = 400 per rank x 4 ranks",
     ),
-    (("experiment=char_gpt", "data.val_fraction=0.00001"), "data.val_fraction=1e-05 leaves 5 tokens"),
+    (
+        ("experiment=char_gpt", "data.val_fraction=0.00001"),
+        "data.val_fraction=1e-05 leaves 5 tokens",
+    ),
     (("experiment=char_gpt", "data.val_fraction=0.99999"), "leaves 5 tokens for training"),
     (("experiment=char_gpt", "data.stride=0"), "data.stride=0 must be >= 1"),
 ]

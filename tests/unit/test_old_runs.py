@@ -86,3 +86,19 @@ def test_a_resume_takes_the_runs_settings_but_not_how_its_ranks_started(tmp_path
     argv, found, adopted = with_training_overrides([f"hydra.run.dir={tmp_path}"])
     assert found == record and adopted == ["optimizer.lr=0.05"]
     assert argv == ["optimizer.lr=0.05", f"hydra.run.dir={tmp_path}"]
+
+
+def test_the_runs_overrides_go_before_this_commands_overrides_and_after_its_flags(tmp_path):
+    """argparse takes the overrides as one run: adopted ones put before a flag (`-cd conf`)
+    would make the command one Hydra refuses."""
+    from framework.app.eval_overrides import with_training_overrides
+    from framework.core.allowlist import argument_mistake
+
+    record = tmp_path / ".hydra" / "overrides.yaml"
+    record.parent.mkdir()
+    record.write_text("- optimizer.lr=0.05\n")
+    command = ["-cd", "conf", "--config-name", "config", f"hydra.run.dir={tmp_path}"]
+    argv, _, adopted = with_training_overrides(command)
+    assert adopted == ["optimizer.lr=0.05"]
+    assert argv == [*command[:4], "optimizer.lr=0.05", f"hydra.run.dir={tmp_path}"]
+    assert argument_mistake(argv) is None

@@ -340,7 +340,7 @@ def test_the_command_line_cannot_reach_code_through_hydras_node(argv, expected):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["hydra/launcher=submitit_slurm", "-m", "optimizer.lr=0.1,0.05"],
+        ["-m", "hydra/launcher=submitit_slurm", "optimizer.lr=0.1,0.05"],
         ["model=resnet18", "+model.x._target_=torchvision.models.resnet18"],  # app: checked later
         ["+hydra.callbacks.log._target_=hydra.experimental.callbacks.LogJobReturnCallback"],
         ["hydra.output_subdir=null", "hydra.callbacks.validate.output_subdir=record"],
