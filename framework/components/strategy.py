@@ -219,12 +219,12 @@ class FSDP(DDP):
         param_dtype: torch.dtype | None = None,
     ) -> nn.Module:
         self.checkpoint_activations(module)  # (the EMA runs no backward)
+        names = self._block_names(module)  # a name that is not there is refused on one rank too
         if not env.distributed:
             log.warning("strategy=fsdp with world_size=1: nothing to shard, the model trains whole")
             return module
         mesh = init_device_mesh(device.type, (env.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
-        names = self._block_names(module)
         units = len(blocks(module, names))
         # The EMA is sharded alike: its update then works on matching local shards.
         for target in (module, ema_module) if ema_module is not None else (module,):

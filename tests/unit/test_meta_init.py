@@ -135,3 +135,16 @@ def test_fsdp_refuses_a_model_it_cannot_build_on_meta_in_one_line_naming_the_mod
     (line,) = str(raised.value).splitlines()
     assert f"strategy=fsdp: {__name__}.Rejection cannot be built on the meta device" in line
     assert "Tensor.item() cannot be called on meta tensors" in line
+
+
+def test_fsdp_block_classes_that_name_no_module_are_refused_on_one_rank_too():
+    """One rank trains the whole model, but the same config on more ranks would be refused:
+    a trial run on one rank must not pass it."""
+    from framework.components.models import SmallCNN
+    from framework.components.strategy import FSDP
+    from framework.core.exits import ConfigError
+    from framework.core.launch_context import DistEnv
+
+    strategy = FSDP(["NoSuchBlock"], reshard_after_forward=True, activation_checkpointing=False)
+    with pytest.raises(ConfigError, match="NoSuchBlock is no module class of SmallCNN"):
+        strategy.wrap(SmallCNN(1, 10, 4), None, DistEnv(), torch.device("cpu"), {})
