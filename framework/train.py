@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.app.eval_overrides import with_training_overrides
-from framework.app.help import help_text
+from framework.app.help import help_text, shown_config
 from framework.app.hydra_errors import run_with_exit_codes
 from framework.app.hydra_node_check import check_composed_hydra_node
 from framework.config import CONF_DIR, validate
@@ -158,14 +158,19 @@ def _main() -> None:
             return
         cfg = check_composed_hydra_node(sys.argv[1:], app=True)
         gc.enable()  # paused by cli.py until the config has passed its checks
-        if cfg is not None and cfg.mode == "estimate":  # before any rank, run dir or training
-            print(memory_estimate(cfg))
+        shown = shown_config(sys.argv[1:], cfg)
+        if shown is None and cfg is not None and cfg.mode == "estimate":
+            print(memory_estimate(cfg))  # before any rank, run dir or training
             return
     except ConfigError as error:
         end(error, rank=here.global_rank())  # under torchrun rank 0 says it once
     # Secrets typed as overrides move to environment variables: Hydra's records, its console
     # log and W&B's copy of argv then hold ${oc.env:NAME}, never the value.
-    sys.argv[1:] = hide_command_line_secrets(sys.argv[1:], os.environ)
+    typed = list(sys.argv[1:])
+    sys.argv[1:] = hide_command_line_secrets(typed, os.environ)
+    if shown is not None and sys.argv[1:] == typed:  # (else Hydra shows ${oc.env:NAME})
+        sys.stdout.write(shown)
+        return
     cleanup_dir = None
     if here.is_follower and isinstance(here, launch_context.TorchElastic):
         # Ranks > 0 compose the same config but adopt rank 0's; Hydra gets a throwaway dir, and

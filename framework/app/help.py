@@ -57,6 +57,20 @@ def help_text(argv: list[str]) -> str | None:
     )
 
 
+def shown_config(argv: list[str], composed: DictConfig | None) -> str | None:
+    """What `train --cfg job` prints, from the composition the checks made and checked: Hydra's
+    own --cfg composes it once more, after its start-up (0.4-0.6 s). None where Hydra answers:
+    --cfg hydra or all, --resolve and --package, which read the runtime Hydra sets, and
+    --hydra-help, which Hydra answers first. It writes what Hydra's show_cfg writes: the
+    config without its hydra node, unresolved (a test holds the two to the same bytes)."""
+    args = parsed_arguments(argv)
+    if args is None or composed is None or args.cfg != "job":
+        return None
+    if args.resolve or args.package is not None or args.hydra_help:
+        return None
+    return OmegaConf.to_yaml(_without_hydra(composed))
+
+
 def _template(cfg: DictConfig) -> str:
     """hydra.help.template with its other interpolations (the header, the footer) resolved; the
     groups (the `config_groups` resolver, which asks a running Hydra) become Hydra's own

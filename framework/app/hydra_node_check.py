@@ -46,7 +46,7 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
     that is not allowed or sets a key off the positive list (app/hydra_reference.py), or
     (`app`) when the rest of it is not a valid config. Compositions Hydra will refuse itself
     are left to Hydra. Returns the run's config once validated (a single run's, with `app`),
-    else None."""
+    or the composition `--cfg` shows (its keys checked), else None."""
     args = parsed_arguments(argv)
     if args is None or args.overrides is None:
         return None
@@ -84,6 +84,7 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
             # The config shown is the one meant: a misspelt key or a value of the wrong type
             # is refused as the run would refuse it. A value a rule refuses is shown as it is.
             check_keys(cfg)
+            validated = cfg
         elif app and not args.cfg and sweep_job:
             jobs += 1
             if (refusal := _sweep_job_refusal(cfg)) is not None:

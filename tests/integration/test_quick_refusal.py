@@ -162,6 +162,30 @@ def test_right_uses_of_hydras_flags_are_answered(tmp_path, args, said):
     assert result.stdout.strip().splitlines()[0].startswith(said)
 
 
+# Command lines whose --cfg job train prints from the composition its checks made, where
+# Hydra's own --cfg composes it again (`-p _global_` is the whole config: Hydra's path).
+SHOWN = [
+    [],
+    ["experiment=char_gpt", "model.heads=2"],
+    ["model=resnet18", "optimizer=adamw", "logger=[csv,wandb]", "logger.wandb.group='a b: c'"],
+    ["-cd", "conf", "experiment=mine"],
+    ["--config-name", "config", "scheduler=cosine", "~optimizer.nesterov"],
+]
+
+
+@pytest.mark.parametrize("args", SHOWN, ids=" ".join)
+def test_cfg_job_prints_the_bytes_hydras_own_cfg_prints(tmp_path, args):
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /optimizer: adamw\n"
+        "trainer:\n  max_steps: ${data.batch_size}\n"
+    )
+    ours = train_without_torch(tmp_path, "--cfg", "job", *args)
+    hydras = train_without_torch(tmp_path, "--cfg", "job", "-p", "_global_", *args)
+    assert ours.returncode == hydras.returncode == 0, ours.stderr[-3000:] + hydras.stderr[-3000:]
+    assert ours.stdout == hydras.stdout and "trainer:" in ours.stdout
+
+
 def marked_processes(mark: str) -> list[int]:
     """The processes whose environment holds `mark`."""
     found = []

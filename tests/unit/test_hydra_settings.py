@@ -445,3 +445,18 @@ def test_the_generator_covers_the_code_nodes():
         assert any(path.startswith(prefix) for path in paths), prefix
     assert "hydra.callbacks.validate._target_" in paths
     assert "hydra.job.env_set" not in paths and re.search("env_copy", " ".join(paths))
+
+
+def test_cfg_job_is_printed_from_the_composition_the_checks_made(cli, compositions, tmp_path):
+    """Hydra's own --cfg (here by `-p _global_`, the whole config) composes the config once
+    more after its start-up; `train --cfg job` prints the same bytes without it."""
+    printed, made = {}, {}
+    for way in ("hydras", "ours", "hydras", "ours"):  # the second of each: nothing left to cache
+        compositions.clear()
+        package = ["-p", "_global_"] if way == "hydras" else []
+        printed[way] = cli("--cfg", "job", *package, "launcher.nproc_per_node=1", cwd=tmp_path)
+        made[way] = len(compositions)
+    assert printed["ours"].returncode == printed["hydras"].returncode == 0
+    assert printed["ours"].stdout == printed["hydras"].stdout
+    assert "launcher:" in printed["ours"].stdout
+    assert made["ours"] == made["hydras"] - 1, made
