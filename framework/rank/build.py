@@ -48,7 +48,7 @@ from framework.config.schemas import TrainerConfig
 from framework.config.validation import resolve_monitor
 from framework.core import startup_clock
 from framework.core.distributed import host_group
-from framework.core.exits import ConfigError, first_line
+from framework.core.exits import ConfigError, ExitCode, first_line, outcome_of
 from framework.core.launch_context import DistEnv
 from framework.rank.loop import Outputs, Runner, planned_steps
 from framework.rank.model_selection import ModelSelection
@@ -134,8 +134,7 @@ def build_data(
     with settings_refused("data", data):
         splits = load_splits(data)  # the loaders' collate_fn is built below
     collate_node = data.get("collate_fn")
-    with settings_refused("data.collate_fn", collate_node):
-        collate_fn = instantiate(collate_node) if collate_node is not None else None
+    collate_fn = _built("data.collate_fn", collate_node) if collate_node is not None else None
     if len(splits.val) == 0:  # evaluation would fail at its first batch, after training
         raise ConfigError(
             f"data: the validation split of {data._target_} is empty: give it samples "
@@ -224,7 +223,7 @@ FRAMEWORK = str(Path(framework.__file__).parent.resolve())
 
 
 @contextlib.contextmanager
-def settings_refused(path: str, node: DictConfig | None) -> Iterator[None]:
+def settings_refused(path: str, node: DictConfig) -> Iterator[None]:
     """A component whose constructor refuses its settings is a config mistake, as if a rule had
     caught it before start-up: one line naming the option, what it was given, the error and
     the line of code that raised it (every rank raises alike; nothing was trained, so the run
@@ -237,6 +236,8 @@ def settings_refused(path: str, node: DictConfig | None) -> Iterator[None]:
     except Exception as error:
         cause = error.__cause__ if isinstance(error, InstantiationException) else error
         if not isinstance(cause, SETTINGS_ERRORS) or _out_of_memory(cause) is not None:
+            raise
+        if outcome_of(cause).code is not ExitCode.FAILED:  # a peer lost, a timeout: its own exit
             raise
         raise ConfigError(
             f"{path}: {node._target_}({_settings(node)}) refused its settings: "

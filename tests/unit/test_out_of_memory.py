@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from framework.core.exits import ExitCode, Outcome, OutOfMemory, outcome_of, root_cause
@@ -32,3 +34,39 @@ def test_the_launcher_exits_5_and_repeats_nothing_the_rank_said():
     cause = root_cause([ExitCode.PEER_LOST, ExitCode.OUT_OF_MEMORY], messages={1: said})
     assert isinstance(cause, OutOfMemory) and str(cause) == said
     assert outcome_of(cause) == Outcome(ExitCode.OUT_OF_MEMORY, printed=None, reason=None)
+
+
+def test_a_constructor_refusing_its_settings_is_a_config_mistake_but_a_lost_peer_is_not():
+    """settings_refused turns what a constructor says of its settings into one line, exit 2;
+    an allocation that fails, a peer that vanished or a bug keep their own exits."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from framework.core.exits import ConfigError
+    from framework.rank.build import settings_refused
+
+    node = OmegaConf.create({"_target_": "torch.nn.Linear", "in_features": -1, "out_features": 2})
+    with pytest.raises(ConfigError) as refused, settings_refused("model", node):
+        raise ValueError("in_features must be positive")  # (the line RAISED_AT names)
+    said = str(refused.value)
+    assert said.startswith(
+        "model: torch.nn.Linear(in_features=-1, out_features=2) refused its settings: "
+        "ValueError: in_features must be positive (raised at "
+    )
+    assert said.endswith("test_out_of_memory.py:" + str(RAISED_AT) + "): check model's settings")
+    kept = [
+        RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234"),  # exit 3
+        RuntimeError("Timed out waiting 30000ms for recv"),  # exit 4
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"),
+        NameError("name 'widht' is not defined"),  # a bug: its traceback
+    ]
+    for error in kept:
+        with pytest.raises(type(error)), settings_refused("model", node):
+            raise error
+
+
+RAISED_AT = next(
+    number
+    for number, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+    if line.endswith("# (the line RAISED_AT names)")
+)
