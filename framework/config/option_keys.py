@@ -50,9 +50,15 @@ def check_target_keys(cfg: DictConfig) -> None:
         signature = signature_of(str(node._target_))
         if signature is None:  # not readable from source: instantiate reports what it finds
             continue
+        given = GIVEN_AT_CALL.get(path.split(".")[0], frozenset()) - declared
         for key in (str(key) for key in node if str(key) not in declared):
-            _check_key(path, key, node, signature, declared)
-        _check_required(path, node, signature, GIVEN_AT_CALL.get(path.split(".")[0], frozenset()))
+            if key in given:  # the framework's value would win over the option's
+                raise ConfigError(
+                    f"{path}.{key} is given by the framework when it builds the {path}, "
+                    "over any value set here: remove it"
+                )
+            _check_key(path, key, node, signature, declared, given)
+        _check_required(path, node, signature, given)
 
 
 def _check_required(
@@ -71,7 +77,12 @@ def _check_required(
 
 
 def _check_key(
-    path: str, key: str, node: DictConfig, signature: Signature, declared: frozenset[str]
+    path: str,
+    key: str,
+    node: DictConfig,
+    signature: Signature,
+    declared: frozenset[str],
+    given: frozenset[str],
 ) -> None:
     parameter = signature.parameters.get(key)
     if parameter is not None:
@@ -81,14 +92,15 @@ def _check_key(
                 _refuse_null(path, key, node, annotation, signature.target)
             check_type(f"{path}.{key}", node[key], annotation, signature.target)
         return
-    known = (set(signature.parameters) | declared) - HYDRA_KEYS
+    settable = set(signature.parameters) - given
+    known = (settable | declared) - HYDRA_KEYS
     close = difflib.get_close_matches(key, sorted(known), n=1)
     if signature.takes_kwargs and not close:
         return
     hint = (
         f"did you mean {path}.{close[0]}?"
         if close
-        else f"it takes {', '.join(sorted(signature.parameters)) or 'no keyword'}"
+        else f"it takes {', '.join(sorted(settable)) or 'no keyword'}"
     )
     raise ConfigError(f"{path}.{key} is not a setting of {signature.target}: {hint}")
 
@@ -203,10 +215,13 @@ def _accepts_subscript(name: str | None, inner: ast.expr, value: Any) -> bool | 
     if name in SEQUENCES:
         if not isinstance(value, ListConfig | list | tuple):
             return False
-        element = items[0] if len(items) == 1 or name not in ("tuple", "Tuple") else None
-        if element is None or (isinstance(element, ast.Constant) and element.value is Ellipsis):
-            return True
-        return all(_accepts(element, item) is not False for item in value)
+        variadic = isinstance(items[-1], ast.Constant) and items[-1].value is Ellipsis
+        if name in ("tuple", "Tuple") and len(items) > 1 and not variadic:  # one per position
+            return len(value) == len(items) and all(
+                _accepts(element, item) is not False
+                for element, item in zip(items, value, strict=True)
+            )
+        return all(_accepts(items[0], item) is not False for item in value)
     if name in MAPPINGS:
         return isinstance(value, DictConfig | dict)
     return None

@@ -81,12 +81,22 @@ def validate(cfg: DictConfig) -> None:
         "(1 = one process, 2 = two local ranks, ...)",
     )
     require(cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size} must be >= 1")
+    require(
+        cfg.data.eval_batch_size >= 1,
+        f"data.eval_batch_size={cfg.data.eval_batch_size} must be >= 1",
+    )
     _check_global_batch(cfg)
     require(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers} must be >= 0")
     require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
+    decay = cfg.optimizer.weight_decay
+    require(decay >= 0, f"optimizer.weight_decay={decay} must be >= 0")
+    reference = cfg.optimizer.reference_batch_size
+    require(reference >= 1, f"optimizer.reference_batch_size={reference} must be >= 1")
     for pattern, multiplier in (cfg.optimizer.get("lr_multipliers") or {}).items():
         require(multiplier > 0, f"optimizer.lr_multipliers.{pattern}={multiplier} must be > 0")
     require(cfg.dist.timeout_s > 0, f"dist.timeout_s={cfg.dist.timeout_s} must be > 0")
+    bucket = cfg.dist.ddp.bucket_cap_mb
+    require(bucket > 0, f"dist.ddp.bucket_cap_mb={bucket} must be > 0 (25 is DDP's default)")
     for group in GROUPS:
         for check in checks_for(cfg[group]):
             check(cfg[group], cfg)
@@ -208,6 +218,14 @@ def _check_mode(cfg: DictConfig) -> None:
 
 def _check_trainer(t: DictConfig) -> None:
     require(t.grad_accum >= 1, f"trainer.grad_accum={t.grad_accum} is invalid: must be >= 1")
+    require(
+        0 <= t.seed < 2**32,
+        f"trainer.seed={t.seed} must be in [0, 2**32 - 1] (what numpy's generator takes)",
+    )
+    require(
+        t.peak_tflops is None or t.peak_tflops > 0,
+        f"trainer.peak_tflops={t.peak_tflops} must be > 0 (or null: the device's own figure)",
+    )
     require(t.log_every >= 1, f"trainer.log_every={t.log_every} is invalid: must be >= 1")
     require(
         t.eval_every >= 0, f"trainer.eval_every={t.eval_every} is invalid: use 0 (end only) or >= 1"
@@ -416,6 +434,8 @@ def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:
     )
     for key in ("rdzv_last_call_s", "rdzv_keep_alive_s", "rdzv_keep_alive_attempts"):
         require(launcher[key] >= 1, f"launcher.{key}={launcher[key]} must be >= 1")
+    interval = launcher.monitor_interval_s
+    require(interval > 0, f"launcher.monitor_interval_s={interval} must be > 0")
     _check_rdzv_endpoint(str(launcher.rdzv_endpoint))
 
 
@@ -578,6 +598,10 @@ def _check_csv_logger(logger: DictConfig, cfg: DictConfig) -> None:
 def _check_mlflow_logger(logger: DictConfig, cfg: DictConfig) -> None:
     problem = tracking_uri_problem(logger.tracking_uri)
     require(problem is None, f"logger.mlflow.tracking_uri={logger.tracking_uri} {problem}")
+    require(
+        logger.get("experiment") is None or str(logger.experiment).strip() != "",
+        "logger.mlflow.experiment is empty: name the MLflow experiment (or null for the default)",
+    )
 
 
 def _check_autoencoder(task: DictConfig, cfg: DictConfig) -> None:

@@ -1,8 +1,10 @@
-"""What the shipped models and schedules need of their settings' values, checked before torch
-loads. Torch would refuse each of these only inside a rank, after start-up, with a traceback: a
-layer of width -4 ("negative dimension"), heads that do not divide the width (a reshape on the
-first batch), a StepLR of step_size 0 (a modulo by zero at the first step), a VAE's tuple of
-outputs given to a task that reads one tensor.
+"""What the shipped models, data, tasks, schedules and torch's optimizers need of their
+settings' values and of each other, checked before torch loads. Torch would refuse each of
+these only inside a rank, after start-up, with a traceback: a layer of width -4 ("negative
+dimension"), heads that do not divide the width (a reshape on the first batch), a StepLR of
+step_size 0 (a modulo by zero at the first step), a VAE's tuple of outputs given to a task that
+reads one tensor; or train on, to nonsense: a classifier on token sequences, ResNet-50's
+ImageNet stem on 8x8 images.
 
 Each rule is registered by the callable an option names (validation.CHECKS), so a user's option
 naming the same class is checked alike; a user's own model gets its constructor's error as one
@@ -15,11 +17,17 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig, ListConfig
 
+from framework.config.registry import shipped_choice
 from framework.core.exits import ConfigError
 
 Check = Callable[[DictConfig, DictConfig], None]  # (the group's node, the whole config)
 MODELS = "framework.components.models"
-AUTOENCODER = "framework.components.tasks.Autoencoder"
+TASKS = "framework.components.tasks."
+DATA = "framework.components.data."
+AUTOENCODER = f"{TASKS}Autoencoder"
+LANGUAGE_MODEL = f"{TASKS}LanguageModel"
+TEXT = f"{DATA}text"
+ASCII_TOKENS = 128  # data=text's vocabulary: one token per ASCII character
 
 
 def require(condition: bool, message: str) -> None:
@@ -48,11 +56,11 @@ def _dropout(group: str, node: DictConfig) -> None:
     require(0 <= node.dropout < 1, f"{group}.dropout={node.dropout} must be in [0, 1)")
 
 
-def sizes(*keys: str) -> Check:
-    """A rule: the model's `keys` are sizes (>= 1)."""
+def sizes(group: str, *keys: str) -> Check:
+    """A rule: the option's `keys` are sizes (>= 1)."""
 
-    def check(model: DictConfig, cfg: DictConfig) -> None:
-        _at_least_one("model", model, keys)
+    def check(node: DictConfig, cfg: DictConfig) -> None:
+        _at_least_one(group, node, keys)
 
     return check
 
@@ -70,6 +78,13 @@ def _check_gpt(model: DictConfig, cfg: DictConfig) -> None:
         f"width/heads channels; pick heads among {_divisors(model.width)}, or change the width",
     )
     _dropout("model", model)
+    for key, what in (("vocab_size", "token ids up to"), ("block_size", "positions up to")):
+        given = cfg.data.get(key)
+        require(
+            given is None or model[key] >= given,
+            f"model.{key}={model[key]} is smaller than data.{key}={given}: {what} {given} have "
+            f"no embedding; leave model.{key}=${{data.{key}}} (the default)",
+        )
 
 
 def _divisors(width: int) -> str:
@@ -81,10 +96,69 @@ def _check_vae(model: DictConfig, cfg: DictConfig) -> None:
     task = cfg.task
     reads_it = task._target_ == AUTOENCODER and task.vae
     require(
-        reads_it or not str(task._target_).startswith("framework.components.tasks."),
+        reads_it or not str(task._target_).startswith(TASKS),
         "model=vae returns (reconstruction, mu, logvar), which only task=autoencoder with "
         "task.vae=true reads: add task=autoencoder task.vae=true (experiment=digits_vae has both)",
     )
+
+
+def _check_resnet50(model: DictConfig, cfg: DictConfig) -> None:
+    _at_least_one("model", model, ("in_channels", "num_classes"))
+    pixels = cfg.data.get("image_size")
+    require(
+        pixels is None or pixels >= 32,
+        f"model=resnet50 has ImageNet's stem, which downsamples 32x, and data.image_size={pixels} "
+        "leaves nothing to pool: use model=resnet18 (a 32x32 stem) or images of 32 pixels or "
+        "more (data=synthetic data.image_size=224)",
+    )
+
+
+def _check_text(data: DictConfig, cfg: DictConfig) -> None:
+    """Token sequences: only the language model reads them (a classifier would take the time
+    axis for classes, and train)."""
+    task = str(cfg.task._target_)
+    require(
+        task == LANGUAGE_MODEL or not task.startswith(TASKS),
+        f"data=text gives token sequences, which only task=language_model reads, not "
+        f"task={shipped_choice('task', cfg.task)}: add task=language_model model=gpt "
+        "(experiment=char_gpt has them)",
+    )
+    require(
+        data.vocab_size >= ASCII_TOKENS,
+        f"data.vocab_size={data.vocab_size}: data=text is one token per ASCII character, ids "
+        f"up to {ASCII_TOKENS - 1}: leave it at {ASCII_TOKENS}",
+    )
+
+
+def _check_language_model(task: DictConfig, cfg: DictConfig) -> None:
+    data = str(cfg.data._target_)
+    require(
+        data == TEXT or not data.startswith(DATA),
+        f"task=language_model reads token sequences, which data={data.removeprefix(DATA)} does "
+        "not give: add data=text model=gpt (experiment=char_gpt has them)",
+    )
+    require(task.sample_tokens >= 0, f"task.sample_tokens={task.sample_tokens} must be >= 0")
+    require(task.chars_per_token > 0, f"task.chars_per_token={task.chars_per_token} must be > 0")
+
+
+def _check_sgd(optimizer: DictConfig, cfg: DictConfig) -> None:
+    momentum, dampening = optimizer.get("momentum", 0), optimizer.get("dampening", 0)
+    require(momentum >= 0, f"optimizer.momentum={momentum} must be >= 0")
+    require(
+        not optimizer.get("nesterov", False) or (momentum > 0 and dampening == 0),
+        f"optimizer.nesterov=true needs optimizer.momentum > 0 and no dampening (momentum="
+        f"{momentum}, dampening={dampening})",
+    )
+
+
+def _check_adam(optimizer: DictConfig, cfg: DictConfig) -> None:
+    betas = list(optimizer.get("betas", (0.9, 0.999)))
+    require(
+        all(0 <= beta < 1 for beta in betas),
+        f"optimizer.betas={betas}: each must be in [0, 1) (0.9, 0.999 are usual)",
+    )
+    eps = optimizer.get("eps", 1e-8)
+    require(eps >= 0, f"optimizer.eps={eps} must be >= 0")
 
 
 def _check_step_schedule(scheduler: DictConfig, cfg: DictConfig) -> None:
@@ -104,13 +178,19 @@ def _check_cosine_schedule(scheduler: DictConfig, cfg: DictConfig) -> None:
 
 
 VALUE_RULES: dict[str | type, Check] = {
-    f"{MODELS}.SmallCNN": sizes("in_channels", "num_classes", "width"),
-    f"{MODELS}.MLP": sizes("in_channels", "image_size", "num_classes", "hidden_sizes"),
-    f"{MODELS}.resnet18_cifar": sizes("in_channels", "num_classes"),
-    f"{MODELS}.resnet50": sizes("in_channels", "num_classes"),
+    f"{MODELS}.SmallCNN": sizes("model", "in_channels", "num_classes", "width"),
+    f"{MODELS}.MLP": sizes("model", "in_channels", "image_size", "num_classes", "hidden_sizes"),
+    f"{MODELS}.resnet18_cifar": sizes("model", "in_channels", "num_classes"),
+    f"{MODELS}.resnet50": _check_resnet50,
     f"{MODELS}.FeedForward": _check_feedforward,
     f"{MODELS}.GPT": _check_gpt,
     f"{MODELS}.VAE": _check_vae,
+    f"{DATA}synthetic": sizes("data", "in_channels", "image_size", "num_classes"),
+    TEXT: _check_text,
+    LANGUAGE_MODEL: _check_language_model,
+    "torch.optim.SGD": _check_sgd,
+    "torch.optim.Adam": _check_adam,
+    "torch.optim.AdamW": _check_adam,
     "framework.components.schedulers.step": _check_step_schedule,
     "framework.components.schedulers.cosine_with_warmup": _check_cosine_schedule,
 }

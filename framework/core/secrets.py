@@ -111,7 +111,12 @@ def name_words(name: str) -> list[str]:
 
 
 def is_secret_name(name: str) -> bool:
-    return any(word in SECRET_WORDS for word in name_words(name))
+    """A secret word names the value, unless it is the unit of a rate (`chars_per_token`)."""
+    words = name_words(name)
+    return any(
+        word in SECRET_WORDS and (at == 0 or words[at - 1] != "per")
+        for at, word in enumerate(words)
+    )
 
 
 def is_harmless_env(name: str) -> bool:

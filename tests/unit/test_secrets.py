@@ -60,12 +60,16 @@ def test_harmless_variables_read_through_oc_env_stay_readable(monkeypatch, tmp_p
     assert record["data"]["home"] == str(tmp_path) and record["data"]["tasks"] == "123456"
 
 
-@pytest.mark.parametrize("name", ["GITHUB_PAT", "DB_PASS", "db_pass", "AUTH_HEADER", "X_API_KEY"])
+@pytest.mark.parametrize(
+    "name", ["GITHUB_PAT", "DB_PASS", "db_pass", "AUTH_HEADER", "X_API_KEY", "per_user_token"]
+)
 def test_secret_looking_names(name):
     assert is_secret_name(name)
 
 
-@pytest.mark.parametrize("name", ["PATH", "passes", "pattern", "author", "num_passes"])
+@pytest.mark.parametrize(
+    "name", ["PATH", "passes", "pattern", "author", "num_passes", "task.chars_per_token"]
+)
 def test_names_that_only_contain_a_secret_word(name):
     assert not is_secret_name(name)
 
