@@ -74,7 +74,8 @@ def check_composed_hydra_node(argv: list[str], app: bool = False) -> DictConfig 
         _check_composed_node(mode_composition, args.overrides)
     validated, jobs, refused = None, 0, []
     for cfg, used, sweep_job in _compositions(loader, args, mode, overrides):
-        _check_composed_node(cfg, used)
+        if args.cfg != "job":  # (what it shows holds no Hydra node, and nothing runs)
+            _check_composed_node(cfg, used)
         _check_shown_package(cfg, args)
         remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
         if app and not args.cfg and mode is RunMode.RUN:

@@ -186,6 +186,20 @@ def test_cfg_job_prints_the_bytes_hydras_own_cfg_prints(tmp_path, args):
     assert ours.stdout == hydras.stdout and "trainer:" in ours.stdout
 
 
+def test_cfg_job_shows_a_config_whose_hydra_node_only_a_run_refuses(tmp_path):
+    """What --cfg job prints holds no Hydra node and runs nothing: the node is checked when the
+    config runs (one composition fewer for --cfg job)."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "moves.yaml").write_text(
+        "# @package _global_\nhydra:\n  job:\n    chdir: true\n"
+    )
+    command = ["-cd", "conf", "experiment=moves", ONE_RANK]
+    shown = train_without_torch(tmp_path, "--cfg", "job", *command)
+    assert shown.returncode == 0 and "trainer:" in shown.stdout, shown.stderr[-3000:]
+    run = train_without_torch(tmp_path, *command)
+    assert run.returncode == ExitCode.CONFIG_REJECTED and "hydra.job.chdir" in run.stderr
+
+
 def marked_processes(mark: str) -> list[int]:
     """The processes whose environment holds `mark`."""
     found = []
