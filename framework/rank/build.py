@@ -241,7 +241,7 @@ def settings_refused(path: str, node: DictConfig) -> Iterator[None]:
             raise
         raise ConfigError(
             f"{path}: {node._target_}({_settings(node)}) refused its settings: "
-            f"{type(cause).__name__}: {first_line(cause, 200)}"
+            f"{type(cause).__name__}: {first_line(cause, 200).rstrip('.')}"
             f"{_raised_at(cause, str(node._target_))}: check {path}'s settings"
         ) from None
 

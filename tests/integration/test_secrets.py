@@ -149,6 +149,7 @@ def test_a_sweep_with_every_logger_writes_no_planted_secret(cli, tmp_path):
 def test_printing_the_config_shows_no_secret(cli, tmp_path, args):
     result = cli(
         *args,
+        *TINY_RUN,  # a data option of the user's that takes any key (what is shown is checked)
         "+data.note=${oc.env:PGPASSWORD}",
         f"+data.api_token={TOKEN}",
         f"+data.mirror=https://bob:{URL_PASSWORD}@example.com/data",
