@@ -47,11 +47,14 @@ def check_target_keys(cfg: DictConfig) -> None:
     callables' source; imports nothing."""
     for path, node, base in _component_nodes(cfg):
         declared = HYDRA_KEYS | _fields(base)
+        extra = [str(key) for key in node if str(key) not in declared]
+        if not extra:  # every key is the framework's: nothing to read (a parameter it lacks is
+            continue  # the constructor's to name, in one line: rank/build.py)
         signature = signature_of(str(node._target_))
         if signature is None:  # not readable from source: instantiate reports what it finds
             continue
         given = GIVEN_AT_CALL.get(path.split(".")[0], frozenset()) - declared
-        for key in (str(key) for key in node if str(key) not in declared):
+        for key in extra:
             if key in given:  # the framework's value would win over the option's
                 raise ConfigError(
                     f"{path}.{key} is given by the framework when it builds the {path}, "
