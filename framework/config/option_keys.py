@@ -121,7 +121,9 @@ def _refuse_null(path: str, key: str, node: DictConfig, annotation: ast.expr, ta
         raw = OmegaConf.to_container(node, resolve=False)
         source = str(raw[key]) if isinstance(raw, dict) else "an interpolation"
         other = re.fullmatch(r"\$\{(\w+)\.([\w.]+)\}", source)
-        fix = f"pick a {other[1]} option that sets {other[1]}.{other[2]}" if other else "set it"
+        if other is None:  # a resolver's (${hydra:job.num}): it may be set only when the job runs
+            return
+        fix = f"pick a {other[1]} option that sets {other[1]}.{other[2]}"
         raise ConfigError(
             f"{path}.{key} is null (from {source}) but {target} takes {key}: {written}: "
             f"{fix}, or give {path}.{key} a value"
