@@ -235,9 +235,8 @@ def settings_refused(path: str, node: DictConfig) -> Iterator[None]:
         raise
     except Exception as error:
         cause = error.__cause__ if isinstance(error, InstantiationException) else error
-        if not isinstance(cause, SETTINGS_ERRORS) or _out_of_memory(cause) is not None:
-            raise
-        if outcome_of(cause).code is not ExitCode.FAILED:  # a peer lost, a timeout: its own exit
+        # Out of memory, a peer lost, a timeout: each has its own exit (core/exits.py).
+        if not isinstance(cause, SETTINGS_ERRORS) or outcome_of(cause).code is not ExitCode.FAILED:
             raise
         raise ConfigError(
             f"{path}: {node._target_}({_settings(node)}) refused its settings: "
