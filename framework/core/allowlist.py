@@ -429,15 +429,21 @@ def parse_overrides(lines: list[str]) -> list[Any]:
         return []
 
 
-def parsed_arguments(argv: list[str]) -> argparse.Namespace | None:
-    """Hydra's own parsing of argv; None for arguments Hydra refuses itself, running nothing."""
+def _raising_parser() -> argparse.ArgumentParser:
+    """Hydra's parser, raising ValueError where argparse would print its usage text and exit:
+    the caller decides what a refusal means."""
     parser = get_args_parser()
 
     def refuse(message: str) -> NoReturn:
         raise ValueError(message)
 
-    # No usage text and no exit: the caller decides what a refusal means.
     parser.error = refuse  # type: ignore[method-assign]
+    return parser
+
+
+def parsed_arguments(argv: list[str]) -> argparse.Namespace | None:
+    """Hydra's own parsing of argv; None for arguments Hydra refuses itself, running nothing."""
+    parser = _raising_parser()
     try:
         return parser.parse_args(argv)
     except ValueError:  # Hydra reports it and stops before running anything
@@ -449,12 +455,7 @@ def argument_mistake(argv: list[str]) -> str | None:
     usage text), or None where it parses: a flag it does not have, an override after a flag
     that follows other overrides (argparse takes one run of them), a flag's value it does not
     take."""
-    parser = get_args_parser()
-
-    def refuse(message: str) -> NoReturn:
-        raise ValueError(message)
-
-    parser.error = refuse  # type: ignore[method-assign]
+    parser = _raising_parser()
     try:
         _, extra = parser.parse_known_args(argv)
     except ValueError as refused:  # a flag's value: argparse's line names the flag and choices
