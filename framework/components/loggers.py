@@ -16,6 +16,7 @@ import logging.handlers
 import os
 import secrets
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -380,17 +381,19 @@ def build_sink(
 
 
 def setup_logging(is_main: bool, rank: int, log_file: Path | None) -> None:
-    """Rank 0: INFO to the console and to log_file (train.log). Other ranks: warnings only."""
+    """Rank 0: INFO to the console and to log_file (train.log). Other ranks: warnings only.
+    The console's lines wait in a `HeldConsole` until the rank's parts are built."""
     install_log_scrubbing()  # a secret in any record's message or traceback is scrubbed
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-        if isinstance(handler, logging.FileHandler):  # an earlier job's train.log in this process
+        # An earlier job's train.log in this process, and its console's start-up timer.
+        if isinstance(handler, (logging.FileHandler, HeldConsole)):
             handler.close()
     fmt = logging.Formatter(f"[%(asctime)s][rank {rank}] %(message)s", datefmt="%H:%M:%S")
     console = logging.StreamHandler()
     console.setFormatter(fmt)
-    root.addHandler(console)
+    root.addHandler(HeldConsole(console))
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     if is_main and log_file is not None:
         file_handler = logging.FileHandler(log_file, delay=True)
@@ -406,6 +409,57 @@ class HeldLog(logging.handlers.MemoryHandler):
     def __init__(self, target: logging.Handler) -> None:
         super().__init__(capacity=1 << 30, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
         self.held_for = target
+
+
+class HeldConsole(logging.handlers.MemoryHandler):
+    """A rank's start-up lines (the layout, `Instantiating ...`), kept until its parts are
+    built: a start that a constructor refuses then prints only its one error line, and no line
+    naming a run dir that is removed again. Released by `release_held_console` (the parts are
+    built, or the rank leaves another way), or after `patience_s`, so that a slow dataset still
+    shows what is being built."""
+
+    def __init__(self, target: logging.Handler, patience_s: float = 10.0) -> None:
+        super().__init__(capacity=1 << 30, flushLevel=logging.CRITICAL + 1, target=target)
+        self.released = False
+        self.timer = threading.Timer(patience_s, self.let_through)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def shouldFlush(self, record: logging.LogRecord) -> bool:
+        return self.released
+
+    def let_through(self) -> None:  # (Handler.release is its lock's)
+        with self.lock:
+            self.released = True
+            self.flush()
+
+    def forget(self) -> None:
+        """The start was refused: its one error line replaces what was held."""
+        with self.lock:
+            self.buffer.clear()
+            self.released = True
+
+    def close(self) -> None:
+        self.timer.cancel()
+        super().close()
+
+
+def _held_consoles() -> list[HeldConsole]:
+    return [h for h in logging.getLogger().handlers if isinstance(h, HeldConsole)]
+
+
+def release_held_console() -> None:
+    """The rank's parts are built (or it leaves for another reason than a refusal): the
+    start-up lines are printed, and the later ones as they come."""
+    for handler in _held_consoles():
+        handler.timer.cancel()
+        handler.let_through()
+
+
+def drop_held_console() -> None:
+    for handler in _held_consoles():
+        handler.timer.cancel()
+        handler.forget()
 
 
 def release_held_log() -> None:

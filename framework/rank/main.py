@@ -16,7 +16,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.components.data import epoch_coverage
-from framework.components.loggers import build_sink, release_held_log, setup_logging
+from framework.components.loggers import (
+    build_sink,
+    drop_held_console,
+    release_held_console,
+    release_held_log,
+    setup_logging,
+)
 from framework.config import batch
 from framework.config.redaction import redacted_container
 from framework.config.registry import shipped_targets
@@ -32,7 +38,7 @@ from framework.core.distributed import (
     pick_device,
     process_group,
 )
-from framework.core.exits import ConfigError, NonFiniteLoss, Stopped
+from framework.core.exits import ConfigError, NonFiniteLoss, Rejected, Stopped
 from framework.core.launch_context import DistEnv
 from framework.rank.build import (
     Parts,
@@ -77,6 +83,9 @@ def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[
             check_targets(cfg, shipped_targets(), by_import=True)
             log_layout(cfg, env, device, backend, run)
             return build_and_run(cfg, run, env, device, backend, requests)
+    except Rejected:
+        drop_held_console()  # its one line is all a refused start prints
+        raise
     except Stopped as stop:
         if env.is_main:
             log.warning("%s. %s", stop, stop_hint(cfg, run_dir, env))
@@ -86,6 +95,7 @@ def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[
             log.error("%s", error)
         raise
     finally:
+        release_held_console()
         requests.uninstall()
 
 
@@ -106,6 +116,7 @@ def build_and_run(
     collection here would also shut down persistent DataLoader workers (15 s: three joins)."""
     parts = build_parts(cfg, env, device)
     if cfg.mode == "eval":
+        release_held_console()
         return evaluate_checkpoint(parts, eval_request(cfg), run, env)
     return train(cfg, parts, run, env, backend, requests)
 
@@ -165,6 +176,7 @@ def train(
     already complete is left as it is."""
     seed_everything(parts.trainer.seed + env.rank)  # per-rank streams from here on
     optimization = build_optimization(cfg, env, parts)
+    release_held_console()  # built: no constructor is left to refuse its settings
     parts = dataclasses.replace(parts, model=compiled(parts.model, parts.trainer.compile))
     # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
     # key still resumes).

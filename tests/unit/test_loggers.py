@@ -17,10 +17,13 @@ from omegaconf import OmegaConf
 from framework.components.loggers import (
     ConsoleSink,
     CsvSink,
+    HeldConsole,
     NullSink,
     TensorBoardSink,
     _Guarded,
     build_sink,
+    drop_held_console,
+    release_held_console,
     setup_logging,
     wandb_has_credentials,
 )
@@ -309,6 +312,40 @@ def test_rank_0_console_and_train_log_redact_secrets(tmp_path, monkeypatch, caps
         assert len(lines) == 2 and all(line.startswith("[") for line in lines)
         assert lines[0].endswith(f"][rank 0] step=1  note=token={REDACTED}")
         assert lines[1].endswith(f"][rank 0] could not reach https://{REDACTED}@host")
+
+
+def test_start_up_lines_wait_for_the_parts_and_a_refusal_drops_them(tmp_path, capsys):
+    """A rank's start-up lines are printed once its parts are built, in order; a start that
+    is refused prints none of them (its one error line is printed apart)."""
+    log = logging.getLogger("framework")
+    with rank_logging(True, 0, None):
+        log.info("run dir /somewhere")
+        assert capsys.readouterr().err == ""
+        release_held_console()
+        log.info("step=1")
+    assert [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()] == [
+        "run dir /somewhere",
+        "step=1",
+    ]
+    with rank_logging(True, 0, None):
+        log.info("Instantiating model <x>")
+        drop_held_console()
+        log.warning("after the refusal")
+    assert [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()] == [
+        "after the refusal"
+    ]
+
+
+def test_held_start_up_lines_show_after_patience(capsys):
+    """A slow build (a large dataset) still shows what is being built."""
+    console = logging.StreamHandler()
+    held = HeldConsole(console, patience_s=0.05)
+    record = logging.LogRecord("framework", logging.INFO, __file__, 1, "loading", None, None)
+    held.handle(record)
+    assert capsys.readouterr().err == ""
+    held.timer.join(timeout=5)
+    assert capsys.readouterr().err == "loading\n"
+    held.close()
 
 
 def test_other_ranks_print_warnings_only_and_write_no_train_log(tmp_path, capsys):
