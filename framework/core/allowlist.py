@@ -27,6 +27,8 @@ from typing import Any, NoReturn
 from hydra._internal.utils import _locate, get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
+from hydra.core.plugins import Plugins
+from hydra.plugins.completion_plugin import CompletionPlugin
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -457,9 +459,11 @@ def argument_mistake(argv: list[str]) -> str | None:
     take."""
     parser = _raising_parser()
     try:
-        _, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(argv)
     except ValueError as refused:  # a flag's value: argparse's line names the flag and choices
         return f"{refused}: train --help lists the flags"
+    if args.shell_completion and (mistake := shell_completion_mistake(args.overrides)):
+        return mistake
     unknown = [arg for arg in extra if arg.startswith("-")]
     if unknown:
         flags = [flag for action in parser._actions for flag in action.option_strings]
@@ -472,6 +476,26 @@ def argument_mistake(argv: list[str]) -> str | None:
             "(-m, --cfg job, ...) before every override"
         )
     return None
+
+
+def shell_completion_mistake(arguments: list[str]) -> str | None:
+    """Why Hydra's `--shell-completion` would raise a traceback for its arguments (it reads
+    them as install=, uninstall= or query= naming a shell, not as overrides), or None."""
+    usage = "--shell-completion takes one of install=SHELL, uninstall=SHELL or query=SHELL"
+    asked = [arg.split("=", 1) for arg in arguments if arg.split("=")[0] in _SUBCOMMANDS]
+    if len(asked) != 1 or len(asked[0]) != 2:
+        return f"{usage}, e.g. train --shell-completion install=bash"
+    plugins = Plugins.instance().discover(CompletionPlugin)
+    shells = sorted(p.provides() for p in plugins if issubclass(p, CompletionPlugin))
+    subcommand, shell = asked[0]
+    if shell in shells:
+        return None
+    near = difflib.get_close_matches(shell, shells, n=1)
+    hint = f"did you mean {subcommand}={near[0]}?" if near else f"SHELL is one of {shells}"
+    return f"--shell-completion {subcommand}={shell}: no completion for that shell: {hint}"
+
+
+_SUBCOMMANDS = ("install", "uninstall", "query")
 
 
 def parse_command_line(argv: list[str]) -> tuple[list[Any], str | None]:

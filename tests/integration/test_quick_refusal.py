@@ -92,6 +92,15 @@ FLAG_MISTAKES = [
     # What argparse refused with its whole usage text.
     ("--cfgg job", "error: --cfgg is not a flag of train: did you mean --cfg?"),
     ("--cfg jb", "error: argument --cfg/-c: invalid choice: 'jb' (choose from 'job', 'hydra'"),
+    # Hydra's shell completion raised a traceback for what it does not take.
+    (
+        "--shell-completion install=fishy",
+        "error: --shell-completion install=fishy: no completion for that shell: did you mean "
+        "install=fish?",
+    ),
+    ("-sc query=nosuch", "no completion for that shell: SHELL is one of ['bash', 'fish', 'zsh']"),
+    ("-sc", "error: --shell-completion takes one of install=SHELL, uninstall=SHELL or query="),
+    ("-sc install=bash uninstall=bash", "error: --shell-completion takes one of install=SHELL"),
     (
         "data.batch_size=3 -m optimizer.lr=0.1,0.2",
         "error: optimizer.lr=0.1,0.2 comes after a flag that follows other overrides: put the "
