@@ -462,6 +462,17 @@ def drop_held_console() -> None:
         handler.forget()
 
 
+def _forked_while_held() -> None:
+    """A process forked while lines are held (a DataLoader worker, forked for the task's check
+    on a real batch) has no timer and is never released: the parent prints the held lines, and
+    the child's own go straight out."""
+    for handler in _held_consoles():
+        handler.forget()
+
+
+os.register_at_fork(after_in_child=_forked_while_held)
+
+
 def release_held_log() -> None:
     """The run is accepted: what its log held goes into the file, and the rest straight there."""
     root = logging.getLogger()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,22 @@ def test_start_up_lines_wait_for_the_parts_and_a_refusal_drops_them(tmp_path, ca
     assert [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()] == [
         "after the refusal"
     ]
+
+
+def test_a_process_forked_while_lines_are_held_prints_its_own_warnings(capfd):
+    """A DataLoader worker forked during the build: its warning is printed, not held forever,
+    and the parent's held lines are printed once, by the parent."""
+    log = logging.getLogger("framework")
+    with rank_logging(True, 0, None):
+        log.info("held in the parent")
+        child = os.fork()
+        if child == 0:
+            log.warning("from the worker")
+            os._exit(0)
+        os.waitpid(child, 0)
+        assert capfd.readouterr().err.count("] from the worker") == 1
+        release_held_console()
+    assert capfd.readouterr().err.count("] held in the parent") == 1
 
 
 def test_held_start_up_lines_show_after_patience(capsys):
