@@ -23,7 +23,7 @@ from framework.config.data_sizes import check_data_sizes
 from framework.config.option_keys import check_target_keys
 from framework.config.registry import LAUNCHERS, shipped_choice, shipped_targets
 from framework.config.resolvers import gpu_count
-from framework.config.value_rules import VALUE_RULES, Check, require
+from framework.config.value_rules import VALUE_RULES, Check, every, require
 from framework.core import launch_context
 from framework.core.allowlist import check_targets, trusted_prefixes
 from framework.core.exits import ConfigError
@@ -103,7 +103,7 @@ def validate(cfg: DictConfig) -> None:
     check_data_sizes(cfg.data, fewest_ranks(cfg.launcher), cfg.trainer.grad_accum)
     for name, logger in cfg.logger.items():
         _check_logger(str(name), logger, cfg)
-    directions = task_directions(cfg.task._target_)
+    directions = task_directions(cfg.task)
     if directions is not None:  # (else the rank checks it, once it has built the task)
         resolve_objective(cfg.objective, directions)
 
@@ -178,10 +178,16 @@ def _check_no_unknown_keys(cfg: DictConfig) -> None:
                 raise ConfigError(f"{section}.{key} is not a setting: {hint}")
 
 
-def task_directions(target: str) -> dict[str, str] | None:
-    """{val/<metric>: min | max} of a task, from the `metrics` its class writes in its source;
-    None for a task that sets them itself from its settings (task=autoencoder's task.vae)."""
+def task_directions(task: DictConfig) -> dict[str, str] | None:
+    """{val/<metric>: min | max} of a task, from the `metrics` its class writes in its source,
+    or from its `metrics_by_setting` ({setting: {value: metrics}}: task=autoencoder's follow
+    task.vae); None for a task whose source says neither."""
+    target = str(task._target_)
     metrics = class_literal(target, "metrics")
+    by_setting = class_literal(target, "metrics_by_setting")
+    if metrics is None and isinstance(by_setting, dict) and len(by_setting) == 1:
+        ((setting, choices),) = by_setting.items()
+        metrics = choices.get(task.get(setting)) if isinstance(choices, dict) else None
     if not isinstance(metrics, dict) or not metrics:
         return None
     return {f"val/{name}": str(direction) for name, direction in metrics.items()}
@@ -437,6 +443,13 @@ def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:
     interval = launcher.monitor_interval_s
     require(interval > 0, f"launcher.monitor_interval_s={interval} must be > 0")
     _check_rdzv_endpoint(str(launcher.rdzv_endpoint))
+    require(
+        high == 1 or not str(launcher.rdzv_endpoint).endswith(":0"),
+        f"launcher.rdzv_endpoint={launcher.rdzv_endpoint} with launcher.nnodes="
+        f"{launcher.nnodes}: port 0 picks a free port on one node, which no other node can "
+        "find: give node 0's address and a port every node uses (e.g. "
+        "launcher.rdzv_endpoint=node0:29500)",
+    )
 
 
 def _check_rdzv_endpoint(endpoint: str) -> None:
@@ -630,7 +643,7 @@ def _check_logger(name: str, logger: DictConfig, cfg: DictConfig) -> None:
         check(logger, cfg)
 
 
-CHECKS: dict[str | type, Check] = {
+_OWN_CHECKS: dict[str | type, Check] = {
     s.LocalLauncherConfig: _check_local,
     s.TorchrunLauncherConfig: _check_torchrun,
     s.SubmititLauncherConfig: _check_submitit,
@@ -642,8 +655,12 @@ CHECKS: dict[str | type, Check] = {
     "framework.components.tasks.Classification": _check_classification,
     "framework.components.loggers.CsvSink": _check_csv_logger,
     "framework.components.loggers.MLflowSink": _check_mlflow_logger,
-    **VALUE_RULES,
 }
+# A callable with checks in both tables gets both (data=cifar10: its folder, and its shape).
+CHECKS: dict[str | type, Check] = {
+    key: every(_OWN_CHECKS[key], rule) if key in _OWN_CHECKS else rule
+    for key, rule in VALUE_RULES.items()
+} | {key: check for key, check in _OWN_CHECKS.items() if key not in VALUE_RULES}
 
 
 def checks_for(node: DictConfig) -> list[Check]:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig, ListConfig
 
-from framework.config.registry import shipped_choice
+from framework.config.registry import read_option, shipped_choice, shipped_options
 from framework.core.exits import ConfigError
+from framework.core.signatures import signature_of
 
 Check = Callable[[DictConfig, DictConfig], None]  # (the group's node, the whole config)
 MODELS = "framework.components.models"
@@ -28,6 +29,8 @@ AUTOENCODER = f"{TASKS}Autoencoder"
 LANGUAGE_MODEL = f"{TASKS}LanguageModel"
 TEXT = f"{DATA}text"
 ASCII_TOKENS = 128  # data=text's vocabulary: one token per ASCII character
+# The data's shape (schemas.DataConfig), which the models read by interpolation.
+SHAPE_KEYS = ("in_channels", "image_size", "num_classes", "num_features", "num_outputs")
 
 
 def require(condition: bool, message: str) -> None:
@@ -63,6 +66,60 @@ def sizes(group: str, *keys: str) -> Check:
         _at_least_one(group, node, keys)
 
     return check
+
+
+def every(*checks: Check) -> Check:
+    """A rule: each of `checks`, in order."""
+
+    def check(node: DictConfig, cfg: DictConfig) -> None:
+        for one in checks:
+            one(node, cfg)
+
+    return check
+
+
+def _fits_data(model: DictConfig, cfg: DictConfig) -> None:
+    """A shipped model's input shape is the data's, and its classes cover the data's labels
+    (each defaults to the data's by interpolation; an override that differs fails in the rank
+    on the first batch, or trains on part of the image)."""
+    for key, fits, need in (
+        ("in_channels", lambda mine, data: mine == data, "be"),
+        ("image_size", lambda mine, data: mine == data, "be"),
+        ("num_classes", lambda mine, data: mine >= data, "be at least"),
+    ):
+        mine, given = model.get(key), cfg.data.get(key)
+        require(
+            mine is None or given is None or fits(mine, given),
+            f"model.{key}={mine} does not fit data={shipped_choice('data', cfg.data)}, whose "
+            f"data.{key} is {given}: it must {need} {given}; leave model.{key}=${{data.{key}}} "
+            "(the default)",
+        )
+
+
+def _check_described_shape(data: DictConfig, cfg: DictConfig) -> None:
+    """A shipped data option's shape keys that its callable does not take (digits: 1 channel,
+    8x8 pixels, 10 classes) describe what it gives, for the models to read: a different value
+    changes no image, and builds a model for other data."""
+    option, facts = _shipped_option("data", str(data._target_))
+    signature = signature_of(str(data._target_))
+    parameters = signature.parameters if signature is not None else {}
+    for key in SHAPE_KEYS:
+        if key in facts and key not in parameters:
+            require(
+                data.get(key) == facts[key],
+                f"data.{key}={data.get(key)}: data={option} gives "
+                f"{key} {facts[key]}; the key describes the data for the model and changes "
+                f"nothing in it: leave data.{key} at {facts[key]}",
+            )
+
+
+def _shipped_option(group: str, target: str) -> tuple[str, dict[str, object]]:
+    """The name and YAML values of the shipped option of `group` that names `target`."""
+    for name, path in shipped_options(group).items():
+        values = read_option(path)
+        if values.get("_target_") == target:
+            return name, values
+    return target, {}
 
 
 def _check_feedforward(model: DictConfig, cfg: DictConfig) -> None:
@@ -178,14 +235,19 @@ def _check_cosine_schedule(scheduler: DictConfig, cfg: DictConfig) -> None:
 
 
 VALUE_RULES: dict[str | type, Check] = {
-    f"{MODELS}.SmallCNN": sizes("model", "in_channels", "num_classes", "width"),
-    f"{MODELS}.MLP": sizes("model", "in_channels", "image_size", "num_classes", "hidden_sizes"),
-    f"{MODELS}.resnet18_cifar": sizes("model", "in_channels", "num_classes"),
-    f"{MODELS}.resnet50": _check_resnet50,
+    f"{MODELS}.SmallCNN": every(sizes("model", "in_channels", "num_classes", "width"), _fits_data),
+    f"{MODELS}.MLP": every(
+        sizes("model", "in_channels", "image_size", "num_classes", "hidden_sizes"), _fits_data
+    ),
+    f"{MODELS}.resnet18_cifar": every(sizes("model", "in_channels", "num_classes"), _fits_data),
+    f"{MODELS}.resnet50": every(_check_resnet50, _fits_data),
     f"{MODELS}.FeedForward": _check_feedforward,
     f"{MODELS}.GPT": _check_gpt,
-    f"{MODELS}.VAE": _check_vae,
+    f"{MODELS}.VAE": every(_check_vae, _fits_data),
     f"{DATA}synthetic": sizes("data", "in_channels", "image_size", "num_classes"),
+    f"{DATA}digits": _check_described_shape,
+    f"{DATA}cifar10": _check_described_shape,
+    f"{DATA}diabetes": _check_described_shape,
     TEXT: _check_text,
     LANGUAGE_MODEL: _check_language_model,
     "torch.optim.SGD": _check_sgd,

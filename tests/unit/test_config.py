@@ -135,7 +135,12 @@ def test_oversubscribe_insists_on_more_ranks_than_the_machine_holds():
     ("nnodes", "expected"), [("2", (2, 2)), ("1:2", (1, 2)), ("2:4", (2, 4)), ("3:3", (3, 3))]
 )
 def test_launcher_nnodes_is_a_number_or_an_elastic_range(nnodes, expected):
-    cfg = make_cfg("launcher=torchrun", f"launcher.nnodes={nnodes}", "launcher.max_restarts=1")
+    cfg = make_cfg(
+        "launcher=torchrun",
+        f"launcher.nnodes={nnodes}",
+        "launcher.max_restarts=1",
+        "launcher.rdzv_endpoint=node0:29500",
+    )
     validate(cfg)
     assert node_range(cfg.launcher.nnodes) == expected
 
@@ -150,6 +155,7 @@ ELASTIC_1_3 = (
     "launcher.nnodes=1:3",
     "launcher.nproc_per_node=1",
     "launcher.max_restarts=1",
+    "launcher.rdzv_endpoint=node0:29500",
 )
 
 
@@ -181,6 +187,19 @@ def test_the_accumulation_follows_the_number_of_ranks_to_keep_the_global_batch()
         (["launcher=torchrun", "launcher.nnodes=a:b"], "launcher.nnodes=a:b is not a number"),
         (["launcher=torchrun", "launcher.nnodes=0"], "give N >= 1"),
         (["launcher=torchrun", "launcher.nnodes=1:2"], "set launcher.max_restarts>=1"),
+        # A port picked at random on one node: no other node could join (it waited in silence).
+        (["launcher=torchrun", "launcher.nnodes=2"], "port 0 picks a free port on one node"),
+        # What a data option says of its shape is a fact: the model is built from it.
+        (["data.image_size=32", "model=resnet50"], "data=digits gives image_size 8"),
+        (
+            ["data=diabetes", "task=regression", "model=ffn", "data.num_features=3"],
+            "data=diabetes gives num_features 10",
+        ),
+        (["model.num_classes=5"], "model.num_classes=5 does not fit data=digits"),
+        (["model=mlp", "model.image_size=16"], "whose data.image_size is 8: it must be 8"),
+        (["model.in_channels=3"], "model.in_channels=3 does not fit data=digits"),
+        # An autoencoder's metrics follow task.vae; an objective is checked before torch too.
+        (["experiment=digits_vae", "objective=val/accuracy"], "choose one of val/elbo"),
         (["strategy=fsdp", "comm=powersgd"], "comm=powersgd is a DDP comm hook"),
         (["strategy=fsdp", "comm=fp16"], "use comm=allreduce with strategy=fsdp"),
         (["strategy=fsdp", "precision=amp"], "GradScaler needs whole gradients on every rank"),

@@ -193,6 +193,19 @@ MISFITS = [
         (images, labels),
         ["labels run from 1 to 4", "3 class logits", "data.num_classes"],
     ),
+    # A layer of the model raising on the data's inputs: the model's settings, not the task.
+    (
+        Classification(**option_values("task", "classification")),
+        FeedForward(in_features=64, out_features=10, hidden_sizes=[8], dropout=0.0),
+        (images, labels),
+        ["the model cannot take this data's inputs", "its Linear raised", "model.in_features"],
+    ),
+    (
+        Regression(),
+        SmallCNN(3, 1, 4),
+        (images, torch.rand(4)),
+        ["the model cannot take this data's inputs", "its Conv2d raised", "model.in_channels"],
+    ),
     (
         Regression(),
         SmallCNN(1, 10, 4),

@@ -32,6 +32,13 @@ class Autoencoder(Task):
     reads = "inputs to reconstruct (a tensor, or the first element / 'inputs' of a batch)"
     fix = "pick a data option with inputs to reconstruct"
     model_methods = ("decode",)  # samples.png: draws from the prior, decoded
+    # Its metrics follow task.vae: written here, the command checks an objective before torch.
+    metrics_by_setting = {
+        "vae": {
+            True: {"elbo": "max", "reconstruction": "min", "kl": "min"},
+            False: {"reconstruction": "min"},
+        }
+    }
 
     def __init__(
         self,
@@ -41,12 +48,11 @@ class Autoencoder(Task):
     ) -> None:
         self.vae, self.reconstruction, self.kl_weight = vae, reconstruction, kl_weight
         self.logits_loss = "task.reconstruction=bce" if reconstruction == "bce" else None
+        self.metrics = dict(self.metrics_by_setting["vae"][vae])
         if vae:
-            self.metrics = {"elbo": "max", "reconstruction": "min", "kl": "min"}
             self.states = ("reconstruction", "kl", "count")
             self.train_sums = ("reconstruction", "kl")
         else:
-            self.metrics = {"reconstruction": "min"}
             self.states = ("reconstruction", "count")
 
     def _outputs(self, model: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -105,7 +111,7 @@ class Autoencoder(Task):
             inputs = pick(batch, 0, "inputs")
             outputs = self._outputs(model, inputs)
         except Exception as error:  # noqa: BLE001
-            raise self.misfit(batch, f"{type(error).__name__}: {error}") from None
+            raise self.failed_on(batch, error, model) from None
         if self.vae and len(outputs) != 3:
             raise ConfigError(
                 f"task=autoencoder with task.vae=true needs the model to return "

@@ -116,7 +116,7 @@ class Task:
         except ConfigError:
             raise
         except Exception as error:  # noqa: BLE001 (any failure on a real batch is a misfit)
-            raise self.misfit(batch, f"{type(error).__name__}: {error}") from None
+            raise self.failed_on(batch, error, model) from None
         if not isinstance(loss, TaskLoss):
             raise ConfigError(
                 f"task={self.name}: loss() returned a {type(loss).__name__}: return "
@@ -199,6 +199,20 @@ class Task:
                     "under its own name)"
                 )
         self.state_shapes = shapes
+
+    def failed_on(self, batch: Any, error: Exception, model: nn.Module) -> ConfigError:
+        """What a failure on a real batch means: the model's input settings where a layer of
+        the model raised it (a Linear given the wrong width), else a task that does not fit
+        this data."""
+        layer = failing_layer(error, model)
+        if layer is None:
+            return self.misfit(batch, f"{type(error).__name__}: {error}")
+        return ConfigError(
+            f"the model cannot take this data's inputs, {batch_shapes(batch)}: its "
+            f"{type(layer).__name__} raised {type(error).__name__}: {error}: match the model's "
+            "input settings (model.in_features, model.in_channels, model.image_size) to the "
+            "data's, or pick a model for this data"
+        )
 
     def misfit(self, batch: Any, problem: str) -> ConfigError:
         return ConfigError(
@@ -372,3 +386,17 @@ def _difference(a: Any, b: Any, path: str, index: int) -> str | None:
 
 def mean(total: float, count: float) -> float:
     return total / count if count else math.nan
+
+
+def failing_layer(error: BaseException, model: nn.Module) -> nn.Module | None:
+    """The innermost module of `model` whose own code `error` was raised in (a Linear given the
+    wrong width), or None when it came from elsewhere (the task's loss, its metrics)."""
+    ours = {id(module) for module in model.modules()}
+    found = None
+    trace = error.__traceback__
+    while trace is not None:
+        owner = trace.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in ours:
+            found = owner
+        trace = trace.tb_next
+    return found

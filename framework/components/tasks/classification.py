@@ -80,7 +80,7 @@ class Classification(Task):
         try:
             logits, targets = self._split(model, batch)
         except Exception as error:  # noqa: BLE001
-            raise self.misfit(batch, f"{type(error).__name__}: {error}") from None
+            raise self.failed_on(batch, error, model) from None
         logits = self.one_tensor(logits, "class logits")
         if (
             not isinstance(targets, torch.Tensor)

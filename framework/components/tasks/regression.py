@@ -61,7 +61,7 @@ class Regression(Task):
             predictions = model(pick(batch, 0, "inputs"))
             targets = pick(batch, 1, "targets")
         except Exception as error:  # noqa: BLE001
-            raise self.misfit(batch, f"{type(error).__name__}: {error}") from None
+            raise self.failed_on(batch, error, model) from None
         predictions = self.one_tensor(predictions, "predictions")
         if not isinstance(targets, torch.Tensor) or not targets.is_floating_point():
             raise self.misfit(batch, "its targets are not real numbers")
