@@ -220,6 +220,13 @@ def _check_mode(cfg: DictConfig) -> None:
             "mode=eval evaluates a checkpoint: set checkpoint.resume=<run dir>/checkpoints/"
             "last.pt (or best.pt, or any step_*.pt)",
         )
+        # (the training run's data settings: its recorded overrides are taken)
+        require(
+            cfg.eval.split != "test" or cfg.data.get("test_fraction", 1) > 0,
+            "eval.split=test: the run was trained with data.test_fraction=0, so it held out no "
+            "test split (every sample went to training or validation): use eval.split=val, or "
+            "train a run with data.test_fraction > 0",
+        )
 
 
 def _check_trainer(t: DictConfig) -> None:

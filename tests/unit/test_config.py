@@ -198,6 +198,11 @@ def test_the_accumulation_follows_the_number_of_ranks_to_keep_the_global_batch()
         (["model.num_classes=5"], "model.num_classes=5 does not fit data=digits"),
         (["model=mlp", "model.image_size=16"], "whose data.image_size is 8: it must be 8"),
         (["model.in_channels=3"], "model.in_channels=3 does not fit data=digits"),
+        # A test split the training run never held out (its settings are the run's).
+        (
+            ["mode=eval", "checkpoint.resume=/x/last.pt", "eval.split=test"],
+            "the run was trained with data.test_fraction=0",
+        ),
         # An autoencoder's metrics follow task.vae; an objective is checked before torch too.
         (["experiment=digits_vae", "objective=val/accuracy"], "choose one of val/elbo"),
         (["strategy=fsdp", "comm=powersgd"], "comm=powersgd is a DDP comm hook"),
