@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from framework.components.data import to_device
+from framework.components.loggers import release_held_console
 from framework.config.resume_rules import changed_settings, must_match_in_eval, training_settings
 from framework.config.validation import resolve_objective
 from framework.core.exits import CheckpointError, ConfigError
@@ -54,6 +55,7 @@ def evaluate_checkpoint(
     evaluated = model.ema.module if weights == "ema" else model.module
     check_model_keys(path, payload[weights], evaluated)
     model.strategy.load_weights(evaluated, payload[weights])
+    release_held_console()  # the checkpoint fits: nothing is left to refuse the evaluation
     metrics = evaluate(
         parts.task,
         evaluated,

@@ -116,7 +116,6 @@ def build_and_run(
     collection here would also shut down persistent DataLoader workers (15 s: three joins)."""
     parts = build_parts(cfg, env, device)
     if cfg.mode == "eval":
-        release_held_console()
         return evaluate_checkpoint(parts, eval_request(cfg), run, env)
     return train(cfg, parts, run, env, backend, requests)
 
@@ -176,7 +175,6 @@ def train(
     already complete is left as it is."""
     seed_everything(parts.trainer.seed + env.rank)  # per-rank streams from here on
     optimization = build_optimization(cfg, env, parts)
-    release_held_console()  # built: no constructor is left to refuse its settings
     parts = dataclasses.replace(parts, model=compiled(parts.model, parts.trainer.compile))
     # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
     # key still resumes).
@@ -213,6 +211,8 @@ def train(
             runner.load_checkpoint(*resumed)
             state = runner.state
             log.info("resumed from %s at step %d (epoch %d)", resumed[0], state.step, state.epoch)
+        # Built, and the checkpoint to resume taken: nothing is left to refuse the start.
+        release_held_console()
         startup_clock.mark("setup")
         summary = finish(runner.fit(), cfg.objective, parts, sink, run, env)
     finally:

@@ -163,6 +163,10 @@ def test_mode_eval_with_other_model_settings_is_refused_naming_the_run_command(c
         cwd=tmp_path,
     )
     assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-3000:]
+    # One error line: not the rank's start-up lines, which wait until the checkpoint fits.
+    assert result.stderr.splitlines() == [
+        next(line for line in result.stderr.splitlines() if line.startswith("error: "))
+    ]
     assert "model.width: 32 in the checkpoint, 16 now" in result.stderr
     evals_after = sorted((run_dir / "eval").glob("*")) if (run_dir / "eval").exists() else []
     assert evals_after == evals_before  # its own eval dir was removed again
