@@ -26,6 +26,7 @@ from framework.config.resolvers import gpu_count
 from framework.config.value_rules import VALUE_RULES, Check, every, require
 from framework.core import launch_context
 from framework.core.allowlist import check_targets, trusted_prefixes
+from framework.core.devices import visible_gpus
 from framework.core.exits import ConfigError
 from framework.core.signatures import class_literal
 
@@ -95,6 +96,7 @@ def validate(cfg: DictConfig) -> None:
     for pattern, multiplier in (cfg.optimizer.get("lr_multipliers") or {}).items():
         require(multiplier > 0, f"optimizer.lr_multipliers.{pattern}={multiplier} must be > 0")
     require(cfg.dist.timeout_s > 0, f"dist.timeout_s={cfg.dist.timeout_s} must be > 0")
+    _check_backend(cfg)
     bucket = cfg.dist.ddp.bucket_cap_mb
     require(bucket > 0, f"dist.ddp.bucket_cap_mb={bucket} must be > 0 (25 is DDP's default)")
     for group in GROUPS:
@@ -211,6 +213,19 @@ def resolve_monitor(objective: str | None, directions: dict[str, str]) -> tuple[
     metric, else the task's main metric."""
     name, direction = resolve_objective(objective, directions)
     return (name, direction) if name in directions else next(iter(directions.items()))
+
+
+def _check_backend(cfg: DictConfig) -> None:
+    """dist.backend=nccl where the ranks run and no GPU is (the rank would refuse it after
+    start-up); submitting to SLURM, the ranks run elsewhere."""
+    submitting = cfg.launcher.name == "slurm" and not isinstance(
+        launch_context.current(), launch_context.SubmititTask
+    )
+    require(
+        cfg.dist.backend != "nccl" or submitting or visible_gpus() != 0,
+        "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto "
+        "(gloo on CPU) or dist.backend=gloo",
+    )
 
 
 def _check_mode(cfg: DictConfig) -> None:

@@ -145,6 +145,14 @@ def test_launcher_nnodes_is_a_number_or_an_elastic_range(nnodes, expected):
     assert node_range(cfg.launcher.nnodes) == expected
 
 
+def test_nccl_where_no_gpu_is_visible_is_refused_before_torch(monkeypatch):
+    """The rank refused it only after start-up; submitted to SLURM, the ranks run elsewhere."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, on any machine
+    with pytest.raises(ConfigError, match="dist.backend=nccl needs CUDA devices and none is"):
+        validate(make_cfg("dist.backend=nccl"))
+    validate(make_cfg("dist.backend=nccl", "launcher=slurm"))
+
+
 def test_a_keyword_that_kwargs_take_and_no_schema_names_is_let_through():
     """torchvision's resnet18(**kwargs) takes zero_init_residual without naming it."""
     validate(make_cfg("model._target_=torchvision.models.resnet18", "+model.zero_init_residual=1"))
