@@ -218,13 +218,17 @@ def resolve_monitor(objective: str | None, directions: dict[str, str]) -> tuple[
 def _check_backend(cfg: DictConfig) -> None:
     """dist.backend=nccl where the ranks run and no GPU is (the rank would refuse it after
     start-up); submitting to SLURM, the ranks run elsewhere."""
-    submitting = cfg.launcher.name == "slurm" and not isinstance(
-        launch_context.current(), launch_context.SubmititTask
-    )
     require(
-        cfg.dist.backend != "nccl" or submitting or visible_gpus() != 0,
+        cfg.dist.backend != "nccl" or _submitting(cfg) or visible_gpus() != 0,
         "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto "
         "(gloo on CPU) or dist.backend=gloo",
+    )
+
+
+def _submitting(cfg: DictConfig) -> bool:
+    """launcher=slurm from the submitting machine: the ranks will run on other nodes."""
+    return cfg.launcher.name == "slurm" and not isinstance(
+        launch_context.current(), launch_context.SubmititTask
     )
 
 
@@ -566,10 +570,7 @@ def _check_fsdp(strategy: DictConfig, cfg: DictConfig) -> None:
 
 def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
     # Submitting from a login node: the compute nodes' mounts may be missing here.
-    submitting = cfg.launcher.name == "slurm" and not isinstance(
-        launch_context.current(), launch_context.SubmititTask
-    )
-    if data.download or submitting:
+    if data.download or _submitting(cfg):
         return
     fix = "set data.root=/path/to/cifar-10-batches-py (or data.download=true with internet access)"
     require(data.root is not None, f"data.root is not set: {fix}")
