@@ -185,7 +185,11 @@ BAD_INPUT = [
     ),
     (["launcher=torchrun", "launcher.nnodes=2:1"], ["launcher.nnodes=2:1", "MIN:MAX"]),
     (["launcher=torchrun", "launcher.nnodes=1:2"], ["elastic range", "launcher.max_restarts>=1"]),
-    (["launcher=torchrun", "launcher.nnodes=2"], ["give every node the same hydra.run.dir"]),
+    (
+        ["launcher=torchrun", "launcher.nnodes=2", "launcher.rdzv_endpoint=node0:29500"],
+        ["give every node the same hydra.run.dir"],
+    ),
+    (["launcher=torchrun", "launcher.nnodes=2"], ["port 0 picks a free port on one node"]),
     (["+trainer.max_step=5"], ["did you mean trainer.max_steps?"]),
     (["+model.hiden=3"], ["model.hiden is not a setting of", "it takes in_channels"]),
 ]
