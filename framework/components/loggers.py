@@ -429,12 +429,14 @@ class HeldConsole(logging.handlers.MemoryHandler):
         return self.released
 
     def let_through(self) -> None:  # (Handler.release is its lock's)
+        self.timer.cancel()
         with self.lock:
             self.released = True
             self.flush()
 
     def forget(self) -> None:
         """The start was refused: its one error line replaces what was held."""
+        self.timer.cancel()
         with self.lock:
             self.buffer.clear()
             self.released = True
@@ -452,13 +454,11 @@ def release_held_console() -> None:
     """The rank's parts are built (or it leaves for another reason than a refusal): the
     start-up lines are printed, and the later ones as they come."""
     for handler in _held_consoles():
-        handler.timer.cancel()
         handler.let_through()
 
 
 def drop_held_console() -> None:
     for handler in _held_consoles():
-        handler.timer.cancel()
         handler.forget()
 
 

@@ -218,11 +218,14 @@ def resolve_monitor(objective: str | None, directions: dict[str, str]) -> tuple[
 def _check_backend(cfg: DictConfig) -> None:
     """dist.backend=nccl where the ranks run and no GPU is (the rank would refuse it after
     start-up); submitting to SLURM, the ranks run elsewhere."""
-    require(
-        cfg.dist.backend != "nccl" or _submitting(cfg) or visible_gpus() != 0,
-        "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto "
-        "(gloo on CPU) or dist.backend=gloo",
-    )
+    require(cfg.dist.backend != "nccl" or _submitting(cfg) or visible_gpus() != 0, NCCL_WITHOUT_GPU)
+
+
+# Said here, where /proc tells, and by the rank, where only torch can (another vendor's GPUs).
+NCCL_WITHOUT_GPU = (
+    "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto (gloo on "
+    "CPU) or dist.backend=gloo"
+)
 
 
 def _submitting(cfg: DictConfig) -> bool:

@@ -88,11 +88,12 @@ def _fits_data(model: DictConfig, cfg: DictConfig) -> None:
         ("num_classes", lambda mine, data: mine >= data, "be at least"),
     ):
         mine, given = model.get(key), cfg.data.get(key)
-        require(
-            mine is None or given is None or fits(mine, given),
+        if mine is None or given is None or fits(mine, given):
+            continue
+        raise ConfigError(  # (the option's name read from the YAML files only here)
             f"model.{key}={mine} does not fit data={shipped_choice('data', cfg.data)}, whose "
             f"data.{key} is {given}: it must {need} {given}; leave model.{key}=${{data.{key}}} "
-            "(the default)",
+            "(the default)"
         )
 
 

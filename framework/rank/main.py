@@ -28,7 +28,7 @@ from framework.config.redaction import redacted_container
 from framework.config.registry import shipped_targets
 from framework.config.resume_rules import changed_settings, training_settings
 from framework.config.schemas import CheckpointConfig
-from framework.config.validation import sharded_checkpoints
+from framework.config.validation import NCCL_WITHOUT_GPU, sharded_checkpoints
 from framework.core import startup_clock
 from framework.core.allowlist import check_targets
 from framework.core.distributed import (
@@ -65,10 +65,7 @@ def rank_main(cfg: DictConfig, run_dir: Path, env: DistEnv, store=None) -> dict[
     limit_cpu_threads(env)
     backend = pick_backend(cfg.dist.backend, device)
     if backend == "nccl" and device.type != "cuda":
-        raise ConfigError(
-            "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto "
-            "(gloo on CPU) or dist.backend=gloo"
-        )
+        raise ConfigError(NCCL_WITHOUT_GPU)
     # Installed first: a signal during start-up stops the run at its first step.
     requests = StopRequests(list(cfg.trainer.stop_signals)).install()
     try:
