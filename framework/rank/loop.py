@@ -356,7 +356,7 @@ class Runner:
         return metrics
 
     def after_evaluation(self, metrics: dict[str, float], periodic: bool) -> None:
-        """A best checkpoint (checkpoint.best) and early stopping: selection.py decides."""
+        """A best checkpoint (checkpoint.best) and early stopping: model_selection.py decides."""
         self._last_evaluation = (self.state.step, metrics)
         self.selection.after_evaluation(
             self.state.step, metrics, periodic, save_best=self.save_best_checkpoint
