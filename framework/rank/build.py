@@ -1,8 +1,9 @@
 """Every object of a rank, built from its config group (the one place objects are built).
 
 `build_parts` builds what training and evaluation share (task, data, precision, model) and checks
-the task on a real batch; `build_optimization` and `build_runner` what training adds. The
-components get their own section of the config (a node to instantiate, or a typed section),
+the task on a real batch; `build_optimization` and `build_training` what training adds. The
+Runner (loop.py) is built from these bundles: `Parts`, `TrainingParts` and loop.py's `Outputs`.
+The components get their own section of the config (a node to instantiate, or a typed section),
 never the whole config.
 """
 
@@ -50,7 +51,6 @@ from framework.core import startup_clock
 from framework.core.distributed import host_group
 from framework.core.exits import ConfigError, ExitCode, first_line, outcome_of
 from framework.core.launch_context import DistEnv
-from framework.rank.loop import Outputs, Runner, planned_steps
 from framework.rank.model_selection import ModelSelection
 from framework.rank.state import Model, Optimization
 from framework.rank.stopping import SignalExchange, StopRequests
@@ -73,6 +73,16 @@ class Parts:
     train_batch: Any  # the first training batch: the pre-flight check and the FLOPs count
     global_batch_size: int
     total_steps: int
+
+
+@dataclass(frozen=True)
+class TrainingParts:
+    """What training adds to the shared parts."""
+
+    optimization: Optimization  # optimizer, schedule, precision and comm hook
+    selection: ModelSelection  # what evaluations decide: best K, early stopping, test weights
+    signals: SignalExchange  # the stop signals every rank agrees on at the same step
+    meter: UtilizationMeter  # FLOP/s, MFU and peak memory on logging steps
 
 
 def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
@@ -115,6 +125,17 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
         global_batch_size=global_batch_size,
         total_steps=total_steps,
     )
+
+
+def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:
+    """Optimizer steps until max_steps or max_epochs, whichever comes first (validate()
+    guarantees at least one is set)."""
+    limits = []
+    if trainer_cfg.max_steps is not None:
+        limits.append(trainer_cfg.max_steps)
+    if trainer_cfg.max_epochs is not None:
+        limits.append(trainer_cfg.max_epochs * steps_per_epoch)
+    return min(limits)
 
 
 def seed_everything(seed: int) -> None:
@@ -375,35 +396,26 @@ def compiled(model: Model, compile: bool) -> Model:
     return dataclasses.replace(model, train=torch.compile(model.train)) if compile else model
 
 
-def build_runner(
+def build_training(
     cfg: DictConfig,
     parts: Parts,
     optimization: Optimization,
     env: DistEnv,
     backend: str,
     requests: StopRequests,
-    outputs: Outputs,
-) -> Runner:
-    """The training loop with everything it is handed."""
-    trainer, task = parts.trainer, parts.task
-    device = parts.device
-    return Runner(
-        env=env,
-        device=device,
-        trainer=trainer,
-        task=task,
-        model=parts.model,
+) -> TrainingParts:
+    """What training adds to the shared parts: the optimization (built earlier, before the
+    model is compiled), what evaluations decide, the stop-signal exchange and the meter."""
+    return TrainingParts(
         optimization=optimization,
-        loaders=parts.loaders,
-        outputs=outputs,
         selection=ModelSelection.build(
-            resolve_monitor(cfg.objective, task.directions()),
+            resolve_monitor(cfg.objective, parts.task.directions()),
             keep_best=cfg.checkpoint.best,
-            early_stopping=trainer.early_stopping,
+            early_stopping=parts.trainer.early_stopping,
         ),
         # Stop signals travel on a CPU (gloo) group, also when training uses NCCL.
         signals=SignalExchange(env, requests, host_group(env, backend)),
-        meter=build_meter(cfg.model, parts, env, device),
+        meter=build_meter(cfg.model, parts, env, parts.device),
     )
 
 

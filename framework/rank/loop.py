@@ -1,10 +1,11 @@
 """The one training loop: fit() -> train_step() / evaluation -> checkpoints and metric sinks.
 
-The Runner is handed the run's parts already built (framework/rank/build.py): the model and
-optimization bundles, the loaders, where results go (`Outputs`), what evaluations decide
-(model_selection.py), the stop-signal exchange (stopping.py) and the trainer settings. Its side
-paths each have one owner: the checkpoint holds `run_states` (state.py) and the Checkpointer
-decides when and how it is saved; non-finite values are the NonFiniteGuard's (nonfinite.py).
+The Runner is built from the bundles build.py makes: the shared `Parts` (the trainer settings,
+task, loaders and model), `TrainingParts` (the optimization, what evaluations decide
+(model_selection.py), the stop-signal exchange (stopping.py), the meter) and `Outputs` (where
+results go). Its side paths each have one owner: the checkpoint holds `run_states` (state.py)
+and the Checkpointer decides when and how it is saved; non-finite values are the
+NonFiniteGuard's (nonfinite.py).
 """
 
 from __future__ import annotations
@@ -25,29 +26,24 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from framework.components.data import Loaders, to_device
+from framework.components.data import to_device
 from framework.components.ledger import Ledger, every_rank, held
 from framework.components.loggers import MetricSink
-from framework.components.tasks import Task
 from framework.components.tasks.base import Count, TaskLoss
-from framework.components.utilization import UtilizationMeter
-from framework.config.schemas import TrainerConfig
 from framework.core import startup_clock
 from framework.core.distributed import all_reduce_sum
 from framework.core.exits import ReplicasDiverged, Stopped
 from framework.core.launch_context import DistEnv
+from framework.rank.build import Parts, TrainingParts
 from framework.rank.evaluation import evaluate
-from framework.rank.model_selection import ModelSelection
 from framework.rank.nonfinite import NonFiniteGuard
 from framework.rank.state import (
     LoaderPosition,
-    Model,
     Optimization,
     RNGStreams,
     TrainState,
     run_states,
 )
-from framework.rank.stopping import SignalExchange
 from framework.storage.checkpoint import Checkpointer, check_model_keys
 
 log = logging.getLogger("framework")
@@ -76,38 +72,28 @@ class Runner:
     one entry with state_dict() / load_state_dict()."""
 
     def __init__(
-        self,
-        *,
-        env: DistEnv,
-        device: torch.device,
-        trainer: TrainerConfig,
-        task: Task,
-        model: Model,
-        optimization: Optimization,
-        loaders: Loaders,
-        outputs: Outputs,
-        selection: ModelSelection,
-        signals: SignalExchange,
-        meter: UtilizationMeter,  # FLOP/s, MFU and peak memory on logging steps
+        self, parts: Parts, training: TrainingParts, outputs: Outputs, env: DistEnv
     ) -> None:
-        self.env, self.device, self.trainer, self.task = env, device, trainer, task
-        self.model, self.loaders, self.selection, self.signals = model, loaders, selection, signals
+        trainer, optimization = parts.trainer, training.optimization
+        self.env, self.device, self.trainer, self.task = env, parts.device, trainer, parts.task
+        self.model, self.loaders = parts.model, parts.loaders
+        self.selection, self.signals = training.selection, training.signals
+        self.meter = training.meter
         self.sink, self.checkpointer = outputs.sink, outputs.checkpointer
-        self.meter = meter
         self.optimizer, self.scheduler = optimization.optimizer, optimization.scheduler
         self.precision, self.comm = optimization.precision, optimization.comm
-        self.strategy = model.strategy
-        self.params = list(model.module.parameters())  # walked every step: listed once
-        self.global_batch_size = loaders.train.batch_size * env.world_size * trainer.grad_accum
-        self.steps_per_epoch = len(loaders.train) // trainer.grad_accum
-        self.total_steps = planned_steps(trainer, self.steps_per_epoch)
+        self.strategy = self.model.strategy
+        self.params = list(self.model.module.parameters())  # walked every step: listed once
+        self.global_batch_size = parts.global_batch_size
+        self.steps_per_epoch = len(self.loaders.train) // trainer.grad_accum
+        self.total_steps = parts.total_steps
         self.profiler = _StepProfiler(
             trainer.profile_steps, outputs.profile_dir if env.is_main else None
         )
         self.nonfinite = NonFiniteGuard(
             trainer.on_nonfinite,
             env,
-            device,
+            self.device,
             skips_itself=self.precision.skips_nonfinite_grads,
             agree=self.strategy.agree,
             epoch_of=self.epoch_of,
@@ -569,14 +555,3 @@ class _StepProfiler:
             torch.profiler.tensorboard_trace_handler(str(self.directory))(self.profile)
             log.info("profile of steps %d-%d: %s", self.first, self.last, self.directory)
             self.profile = None
-
-
-def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:
-    """Optimizer steps until max_steps or max_epochs, whichever comes first (validate()
-    guarantees at least one is set)."""
-    limits = []
-    if trainer_cfg.max_steps is not None:
-        limits.append(trainer_cfg.max_steps)
-    if trainer_cfg.max_epochs is not None:
-        limits.append(trainer_cfg.max_epochs * steps_per_epoch)
-    return min(limits)

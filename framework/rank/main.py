@@ -44,13 +44,13 @@ from framework.rank.build import (
     Parts,
     build_optimization,
     build_parts,
-    build_runner,
+    build_training,
     compiled,
     seed_everything,
 )
 from framework.rank.eval_mode import EvalRequest, evaluate_checkpoint
 from framework.rank.finish import final_line, finish
-from framework.rank.loop import Outputs
+from framework.rank.loop import Outputs, Runner
 from framework.rank.stopping import StopRequests
 from framework.storage.checkpoint import Checkpointer
 from framework.storage.run_dir import RunDir
@@ -201,7 +201,8 @@ def train(
     checkpointer.logger_ids = sink.run_ids
     try:
         outputs = Outputs(sink, checkpointer, profile_dir=run.path / "profile")
-        runner = build_runner(cfg, parts, optimization, env, backend, requests, outputs)
+        training = build_training(cfg, parts, optimization, env, backend, requests)
+        runner = Runner(parts, training, outputs, env)
         if env.is_main and (dropped := epoch_coverage(parts.loaders.train, cfg.trainer.grad_accum)):
             log.info("%s", dropped)
         if resumed:
