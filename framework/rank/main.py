@@ -1,8 +1,9 @@
 """One rank, start to end: every start path enters here (framework/launch/rank_entry.py) with
 the same resolved config and run dir.
 
-process group -> build (build.py) -> train (loop.py) or, mode=eval, evaluate (eval_mode.py) ->
-finish (finish.py). This module reads the whole config; what it builds gets its own section.
+process group -> build (build.py) -> train: open the run, then fit it (loop.py); or, mode=eval,
+evaluate (eval_mode.py) -> finish (finish.py). This module reads the whole config; what it builds
+gets its own section.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from framework.rank.build import (
 from framework.rank.eval_mode import EvalRequest, evaluate_checkpoint
 from framework.rank.finish import final_line, finish
 from framework.rank.loop import Outputs, Runner
+from framework.rank.state import Optimization
 from framework.rank.stopping import StopRequests
 from framework.storage.checkpoint import Checkpointer
 from framework.storage.run_dir import RunDir
@@ -160,6 +162,16 @@ def eval_request(cfg: DictConfig) -> EvalRequest:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class OpenedRun:
+    """A training run opened in its run dir: what fitting it starts from."""
+
+    parts: Parts  # the model compiled where trainer.compile asks
+    optimization: Optimization  # its comm hook is registered before DDP is compiled
+    outputs: Outputs  # open sinks and the Checkpointer, closed once fitting ends either way
+    resumed: tuple[Path, dict[str, Any]] | None  # the checkpoint to resume and what it holds
+
+
 def train(
     cfg: DictConfig,
     parts: Parts,
@@ -170,6 +182,22 @@ def train(
 ) -> dict[str, Any] | None:
     """Train from scratch or from the checkpoint to resume, then finish; a run that is
     already complete is left as it is."""
+    opened = open_run(cfg, parts, run, env)
+    if opened is None:  # already complete: its summary stands
+        return run.read_summary() if env.is_main else None
+    try:
+        summary = fit_run(cfg, opened, run, env, backend, requests)
+    finally:
+        opened.outputs.checkpointer.close()
+        opened.outputs.sink.close()
+    if summary is not None:
+        log.info("done: %s", final_line(summary, opened.parts.task, run))
+    return summary
+
+
+def open_run(cfg: DictConfig, parts: Parts, run: RunDir, env: DistEnv) -> OpenedRun | None:
+    """The optimization and the compiled model, the checkpoint to resume found, the run dir
+    accepted and the sinks open. None for a run that is already complete: it is left as it is."""
     seed_everything(parts.trainer.seed + env.rank)  # per-rank streams from here on
     optimization = build_optimization(cfg, env, parts)
     parts = dataclasses.replace(parts, model=compiled(parts.model, parts.trainer.compile))
@@ -187,7 +215,8 @@ def train(
     )
     resumed = checkpointer.find_resume()
     if resumed and is_complete(resumed[1], parts.total_steps) and run.summary.exists():
-        return _already_complete(run, resumed[1], parts.total_steps, env)
+        log_already_complete(run, resumed[1], parts.total_steps)
+        return None
     if env.is_main:
         accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
     sink = build_sink(
@@ -199,26 +228,35 @@ def train(
         resume_step=resumed[1]["step"] if resumed else 0,
     )
     checkpointer.logger_ids = sink.run_ids
-    try:
-        outputs = Outputs(sink, checkpointer, profile_dir=run.path / "profile")
-        training = build_training(cfg, parts, optimization, env, backend, requests)
-        runner = Runner(parts, training, outputs, env)
-        if env.is_main and (dropped := epoch_coverage(parts.loaders.train, cfg.trainer.grad_accum)):
-            log.info("%s", dropped)
-        if resumed:
-            runner.load_checkpoint(*resumed)
-            state = runner.state
-            log.info("resumed from %s at step %d (epoch %d)", resumed[0], state.step, state.epoch)
-        # Built, and the checkpoint to resume taken: nothing is left to refuse the start.
-        release_held_console()
-        startup_clock.mark("setup")
-        summary = finish(runner.fit(), cfg.objective, parts, sink, run, env)
-    finally:
-        checkpointer.close()
-        sink.close()
-    if summary is not None:
-        log.info("done: %s", final_line(summary, parts.task, run))
-    return summary
+    outputs = Outputs(sink, checkpointer, profile_dir=run.path / "profile")
+    return OpenedRun(parts, optimization, outputs, resumed)
+
+
+def fit_run(
+    cfg: DictConfig,
+    opened: OpenedRun,
+    run: RunDir,
+    env: DistEnv,
+    backend: str,
+    requests: StopRequests,
+) -> dict[str, Any] | None:
+    """The Runner built (and loaded, resuming), trained to the end and finished. Returns the
+    summary on rank 0, None elsewhere."""
+    parts, outputs = opened.parts, opened.outputs
+    training = build_training(cfg, parts, opened.optimization, env, backend, requests)
+    runner = Runner(parts, training, outputs, env)
+    if env.is_main and (dropped := epoch_coverage(parts.loaders.train, cfg.trainer.grad_accum)):
+        log.info("%s", dropped)
+    if opened.resumed:
+        runner.load_checkpoint(*opened.resumed)
+        state = runner.state
+        log.info(
+            "resumed from %s at step %d (epoch %d)", opened.resumed[0], state.step, state.epoch
+        )
+    # Built, and the checkpoint to resume taken: nothing is left to refuse the start.
+    release_held_console()
+    startup_clock.mark("setup")
+    return finish(runner.fit(), cfg.objective, parts, outputs.sink, run, env)
 
 
 def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
@@ -226,9 +264,7 @@ def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
     return payload["step"] >= total_steps or bool(payload["trainer"].get("stopped_early"))
 
 
-def _already_complete(
-    run: RunDir, payload: dict[str, Any], total_steps: int, env: DistEnv
-) -> dict[str, Any] | None:
+def log_already_complete(run: RunDir, payload: dict[str, Any], total_steps: int) -> None:
     log.info(
         "%s is complete at step %d (%s): nothing to do; raise trainer.max_steps or "
         "trainer.max_epochs to train further",
@@ -236,7 +272,6 @@ def _already_complete(
         payload["step"],
         payload["trainer"].get("stopped_early") or f"the planned {total_steps} steps",
     )
-    return run.read_summary() if env.is_main else None
 
 
 def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:
