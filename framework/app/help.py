@@ -1,74 +1,49 @@
-"""`train --help`, answered from one composition.
+"""`train --help` and `train --cfg job`, answered from the composition the checks made.
 
 Hydra's own help lists its config groups through the config loader, which copies its whole
 config store for every group it is asked about (about 0.2 s a group here: 190 groups, over 20 s
 on 2 busy cores), and it computes the lists of Hydra's own groups too, which the framework's
 template never shows. This renders the same template (conf/config.yaml's hydra.help) from one
-composition, the groups asked of the config repository directly.
+composition, the groups asked of the config repository directly. Hydra's --cfg job composes
+the config once more after its start-up; this prints the one composed.
 """
 
 from __future__ import annotations
 
+import argparse
 import string
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import get_args_parser
-from hydra.core.utils import JobRuntime
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from framework.app.hydra_node_check import composition_refusal, config_name_of, search_path
-from framework.config.redaction import remember_secrets
-from framework.config.registry import register_configs
 from framework.config.resolvers import group_listing
-from framework.config.validation import check_keys
-from framework.core.allowlist import parsed_arguments
+from framework.core.exits import ConfigError
 
-APP_NAME = "train"  # what Hydra names the job of framework/train.py
 CONFIG_GROUPS = "config_groups"  # the resolver conf/config.yaml's template lists groups with
 
 
-def help_text(argv: list[str]) -> str | None:
-    """What `train <argv>` prints for --help; None when argv does not ask for it."""
-    args = parsed_arguments(argv)
-    if args is None or not args.help:
-        return None
-    register_configs()
-    loader = ConfigLoaderImpl(config_search_path=search_path(args))
-    JobRuntime.instance().set("name", APP_NAME)  # hydra.job.name, as Hydra sets it
-    try:
-        cfg = loader.load_configuration(
-            config_name_of(args), list(args.overrides), run_mode=RunMode.RUN
-        )
-    except Exception as error:  # what Hydra's help would have met: its message, one line
-        refusal = composition_refusal(error, loader, list(args.overrides), config_name_of(args))
-        if refusal is None:
-            raise
-        raise refusal from None
-    remember_secrets(cfg)  # the console scrubs them from the text printed
-    check_keys(cfg)  # the config shown is the one meant: no misspelt key, no value of a wrong type
+def help_text(cfg: DictConfig, loader: ConfigLoaderImpl, resolve: bool) -> str:
+    """What `train --help` prints for this composition."""
     template = string.Template(_template(cfg))
     return template.safe_substitute(
         FLAGS_HELP=Hydra.format_args_help(get_args_parser()),
         APP_CONFIG_GROUPS=group_listing(loader.get_sources()),
         HYDRA_CONFIG_GROUPS="",
-        CONFIG=OmegaConf.to_yaml(_without_hydra(cfg), resolve=args.resolve),
+        CONFIG=OmegaConf.to_yaml(_without_hydra(cfg), resolve=resolve),
     )
 
 
-def shown_config(argv: list[str], composed: DictConfig | None) -> str | None:
-    """What `train --cfg job` prints, from the composition the checks made and checked: Hydra's
-    own --cfg composes it once more, after its start-up (0.4-0.6 s). None where Hydra answers:
-    --cfg hydra or all, --resolve and --package, which read the runtime Hydra sets, and
-    --hydra-help, which Hydra answers first. It writes what Hydra's show_cfg writes: the
-    config without its hydra node, unresolved (a test holds the two to the same bytes)."""
-    args = parsed_arguments(argv)
-    if args is None or composed is None or args.cfg != "job":
-        return None
-    if args.resolve or args.package is not None or args.hydra_help:
-        return None
-    return OmegaConf.to_yaml(_without_hydra(composed))
+def prints_the_job_config(args: argparse.Namespace) -> bool:
+    """`--cfg job` as it prints the composition: the config without its hydra node, unresolved,
+    as Hydra's show_cfg writes it (a test holds the two to the same bytes). --resolve and
+    --package read the runtime Hydra sets, and --hydra-help is answered first: Hydra's."""
+    return args.cfg == "job" and not (args.resolve or args.package is not None or args.hydra_help)
+
+
+def job_config_text(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(_without_hydra(cfg))
 
 
 def _template(cfg: DictConfig) -> str:
@@ -85,3 +60,25 @@ def _without_hydra(cfg: DictConfig) -> DictConfig:
     with open_dict(clean):
         del clean["hydra"]
     return clean
+
+
+def check_shown_package(cfg: DictConfig, args: argparse.Namespace) -> None:
+    """--cfg's --package names a key of what --cfg shows: Hydra's show_cfg selects it and
+    prints "not found" with exit 1 where the selection is None (a missing or null key). A
+    selection that cannot resolve here (an interpolation of Hydra's runtime) is left to
+    Hydra."""
+    package = args.package
+    if args.cfg is None or args.hydra_help or package in (None, "_global_"):
+        return
+    shown = [key for key in cfg if (key == "hydra") == (args.cfg == "hydra")]
+    view = cfg if args.cfg == "all" else OmegaConf.masked_copy(cfg, shown)
+    if args.cfg == "hydra" and package.startswith(("hydra.help", "hydra.hydra_help")):
+        selected = None  # what Hydra's get_sanitized_hydra_cfg removes
+    else:
+        try:
+            selected = OmegaConf.select(view, package)
+        except Exception:  # noqa: BLE001 (Hydra resolves it with its runtime set, or reports it)
+            return
+    if selected is None:
+        shows = f"`train --cfg {args.cfg}` shows the whole config"
+        raise ConfigError(f"--package {package}: not a key, or null: nothing to show ({shows})")

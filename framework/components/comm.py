@@ -19,10 +19,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
+from annotated_types import Ge
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -158,12 +159,12 @@ class PowerSGD(Comm):
     def __init__(
         self,
         env: DistEnv,
-        rank: int,
-        start_iter: int,
-        min_compression_rate: float,
+        rank: Annotated[int, Ge(1)],  # 1, 2 and 4 are usual
+        start_iter: Annotated[int, Ge(0)],  # steps of plain allreduce first
+        min_compression_rate: Annotated[float, Ge(0)],
         error_feedback: bool,
         warm_start: bool,
-        orthogonalization_epsilon: float,
+        orthogonalization_epsilon: Annotated[float, Ge(0)],
         compress: WireDtype | None,
         seed: int,
     ) -> None:

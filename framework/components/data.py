@@ -22,10 +22,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
+from annotated_types import Ge, Interval
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import (
@@ -39,6 +40,10 @@ from torch.utils.data import (
 from framework.core.launch_context import DistEnv
 
 log = logging.getLogger("framework")
+# The shares a data option holds out: some of it for validation, none or some for a test split.
+ValShare = Annotated[float, Interval(gt=0, lt=1)]
+TestShare = Annotated[float, Interval(ge=0, lt=1)]
+Size = Annotated[int, Ge(1)]
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,8 @@ def bundled_with_scikit_learn(name: str, **loadtxt: Any) -> np.ndarray:
 
 
 def digits(
-    val_fraction: float,
-    test_fraction: float,
+    val_fraction: ValShare,
+    test_fraction: TestShare,
     split_seed: int,
     normalize: bool,
 ) -> Splits:
@@ -117,8 +122,8 @@ def digits(
 
 
 def diabetes(
-    val_fraction: float,
-    test_fraction: float,
+    val_fraction: ValShare,
+    test_fraction: TestShare,
     split_seed: int,
 ) -> Splits:
     """scikit-learn's bundled diabetes data: 442 patients, 10 features, disease progression one
@@ -165,9 +170,9 @@ def decode_ascii(ids: list[int]) -> str:
 
 
 def text(
-    block_size: int,
-    stride: int,
-    val_fraction: float,
+    block_size: Size,
+    stride: Size,
+    val_fraction: ValShare,
 ) -> Splits:
     """English text that ships with Python: the standard library's help topics
     (pydoc_data.topics, ~465,000 characters), one token per character. The last val_fraction
@@ -216,11 +221,11 @@ class PadSequences:
 
 
 def synthetic(
-    train_size: int,
-    val_size: int,
-    in_channels: int,
-    image_size: int,
-    num_classes: int,
+    train_size: Size,
+    val_size: Size,
+    in_channels: Size,
+    image_size: Size,
+    num_classes: Size,
     seed: int,
 ) -> Splits:
     """Random CIFAR-shaped images; labels come from a fixed random projection, so they are
@@ -309,6 +314,12 @@ def cifar10(
             val=dataset(str(path), train=False, download=False, transform=val_tf),
         )
     folder = path / "cifar-10-batches-py"
+    if not all((folder / name).is_file() for name in ("data_batch_1", "test_batch")):
+        raise ValueError(
+            f"data.root={root} holds no CIFAR-10 python batches (data_batch_1 ... test_batch): "
+            "set data.root=/path/to/cifar-10-batches-py (or data.download=true with internet "
+            "access)"
+        )
     return Splits(
         train=CifarBatches(folder, train=True, transform=train_tf),
         val=CifarBatches(folder, train=False, transform=val_tf),

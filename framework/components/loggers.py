@@ -18,8 +18,9 @@ import secrets
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
+from annotated_types import MinLen
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
@@ -274,7 +275,7 @@ class MLflowSink(_Guarded):
         run: RunDir,
         config: dict,
         tracking_uri: str | None,
-        experiment: str,
+        experiment: Annotated[str, MinLen(1)],
         run_name: str | None,
         resume_id: str | None = None,
         resume_step: int = 0,

@@ -10,9 +10,10 @@ clip true gradients, and a step with inf/NaN gradients is skipped.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from annotated_types import Ge, Gt, Interval
 from torch.optim import Optimizer
 
 
@@ -79,10 +80,10 @@ class AMP(Precision):
     def __init__(
         self,
         device: torch.device,
-        init_scale: float,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
+        init_scale: Annotated[float, Gt(0)],
+        growth_factor: Annotated[float, Gt(1)],
+        backoff_factor: Annotated[float, Interval(gt=0, lt=1)],
+        growth_interval: Annotated[int, Ge(1)],
     ) -> None:
         super().__init__(device)
         self.scaler = torch.amp.GradScaler(

@@ -6,7 +6,9 @@ Each option is a partial in config; the runner supplies `optimizer` and `total_s
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
+from annotated_types import Ge, Gt, Interval
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, StepLR
 
@@ -18,8 +20,8 @@ def constant(optimizer: Optimizer, total_steps: int) -> LRScheduler:
 def cosine_with_warmup(
     optimizer: Optimizer,
     total_steps: int,
-    warmup_steps: int,
-    min_lr_ratio: float,
+    warmup_steps: Annotated[int, Ge(0)],
+    min_lr_ratio: Annotated[float, Interval(ge=0, le=1)],  # of the base lr
 ) -> LRScheduler:
     """Linear warmup from ~0 to the base lr, then cosine decay to min_lr_ratio * base lr.
 
@@ -38,7 +40,7 @@ def cosine_with_warmup(
 def step(
     optimizer: Optimizer,
     total_steps: int,
-    step_size: int,
-    gamma: float,
+    step_size: Annotated[int, Ge(1)],
+    gamma: Annotated[float, Gt(0)],
 ) -> LRScheduler:
     return StepLR(optimizer, step_size=step_size, gamma=gamma)

@@ -78,7 +78,7 @@ class DDP:
         backward and runs its forward again there (the same values: the RNG state is replayed)."""
         if not self.activation_checkpointing:
             return
-        names = self._block_names(module)
+        names = self.block_names(module)
         found = blocks(module, names)
         if not found:
             raise ConfigError(
@@ -95,7 +95,8 @@ class DDP:
             ", ".join(names),
         )
 
-    def _block_names(self, module: nn.Module) -> tuple[str, ...]:
+    def block_names(self, module: nn.Module) -> tuple[str, ...]:
+        """The classes of `module`'s repeated blocks: what is sharded, or checkpointed."""
         return default_blocks(module)
 
     def build(
@@ -219,7 +220,7 @@ class FSDP(DDP):
         param_dtype: torch.dtype | None = None,
     ) -> nn.Module:
         self.checkpoint_activations(module)  # (the EMA runs no backward)
-        names = self._block_names(module)  # a name that is not there is refused on one rank too
+        names = self.block_names(module)  # a name that is not there is refused on one rank too
         if not env.distributed:
             log.warning("strategy=fsdp with world_size=1: nothing to shard, the model trains whole")
             return module
@@ -252,7 +253,7 @@ class FSDP(DDP):
         )
         return module
 
-    def _block_names(self, module: nn.Module) -> tuple[str, ...]:
+    def block_names(self, module: nn.Module) -> tuple[str, ...]:
         if self.block_classes is None:
             return default_blocks(module)
         present = {qualified for sub in module.modules() for qualified in class_names(sub)}

@@ -2,24 +2,21 @@
 
 Values at secret-looking config keys and of secret-looking environment variables are replaced by
 REDACTED in everything we write; secrets typed on the command line are moved into environment
-variables before Hydra sees them (`hide_command_line_secrets`), so Hydra's own records only ever
-hold `${oc.env:...}`. Hydra writes its own record of a job before any callback could redact it,
+variables before Hydra sees them (framework/app/command_line.py), so Hydra's own records only
+ever hold `${oc.env:...}`. Hydra writes its own record of a job before any callback could redact it,
 so the app runs with hydra.output_subdir=null and `write_hydra_record` writes it instead.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hydra.core.override_parser.types import ChoiceSweep
 from omegaconf import DictConfig, ListConfig, OmegaConf, SCMode, open_dict, read_write
 
-from framework.config import CONF_DIR
-from framework.core.allowlist import iter_leaves, matches_prefix, parse_command_line
+from framework.core.allowlist import iter_leaves, matches_prefix
 from framework.core.secrets import (
     REDACTED,
     SecretFilter,
@@ -33,62 +30,6 @@ from framework.core.secrets import (
 )
 
 __all__ = ["REDACTED", "SecretFilter", "is_secret_name", "known_secrets"]  # (for the writers)
-
-
-def is_config_group(key: str) -> bool:
-    """`db/credentials=prod` or `credentials=prod` (a folder in conf/) picks a config file:
-    its value is an option name, not a secret, and must stay as it is."""
-    return "/" in key or (CONF_DIR / key).is_dir()
-
-
-def secret_env_name(key: str) -> str:
-    return "FRAMEWORK_SECRET_" + re.sub(r"[^A-Za-z0-9]", "_", key).upper()
-
-
-def hide_command_line_secrets(argv: list[str], environ: dict[str, str]) -> list[str]:
-    """argv with every plain secret override `KEY=VALUE` (a secret-looking KEY, or a VALUE
-    holding a known secret) rewritten to `KEY=${oc.env:NAME}`, and VALUE stored in
-    environ[NAME]; a sweep `KEY=A,B` becomes `KEY=${oc.env:NAME_0},${oc.env:NAME_1}`. Hydra
-    records overrides in .hydra/, multirun.yaml, a job's name and its console log, and W&B
-    records argv: all of them now hold only the variables' names."""
-    known = env_secret_values(environ)
-    overrides, _ = parse_command_line(argv)
-    rewritten = {}
-    for override in overrides:
-        key = override.key_or_group
-        if override.is_delete() or override.package is not None or is_config_group(key):
-            continue
-        values = _plain_values(override)
-        if values is None or not any(
-            is_secret_name(key) or redact(text, known) != text for text in values
-        ):
-            continue
-        name = secret_env_name(key)
-        names = [f"{name}_{i}" for i in range(len(values))] if len(values) > 1 else [name]
-        environ.update(zip(names, values, strict=True))
-        prefix = override.input_line.split("=", 1)[0]
-        references = ",".join(f"${{oc.env:{name}}}" for name in names)
-        rewritten[override.input_line] = f"{prefix}={references}"
-    return [rewritten.get(arg, arg) for arg in argv]
-
-
-def _plain_values(override: Any) -> list[str] | None:
-    """The values an override sets, as text: one, or each of a sweep's plain choices (`A,B`,
-    `choice(A,B)`); None for anything else (a range, a dict, a reference `${...}`)."""
-    value = override.value()
-    if override.is_sweep_override():
-        if not isinstance(value, ChoiceSweep):
-            return None
-        value = value.list
-    values = value if isinstance(value, list) and override.is_sweep_override() else [value]
-    texts = []
-    for item in values:
-        if not isinstance(item, str | int | float) or isinstance(item, bool) or item == "":
-            return None
-        if "${" in str(item):
-            return None  # already a reference, not the secret itself
-        texts.append(str(item))
-    return texts
 
 
 # --- what may be written: which values are secret is core/secrets.py's ------------------

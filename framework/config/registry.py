@@ -22,7 +22,7 @@ from framework.core.config_dir import CONF_DIR
 from framework.core.signatures import signature_of
 
 # group -> the schema of the keys the framework reads from any of its options. Stored open: an
-# option adds keys of its own, typed by its `_target_`'s signature (option_keys.py), while the
+# option adds keys of its own, typed by its `_target_`'s signature (keys.py), while the
 # framework's keys stay typed.
 GROUP_BASES: dict[str, type] = {
     "task": s.TaskConfig,

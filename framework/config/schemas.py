@@ -5,10 +5,11 @@ them in Hydra's ConfigStore.
 
 An option is two places: its YAML file in conf/<group>/ (extending its group's base, with
 `_target_` and every value of its own, each with a comment) and its callable, whose signature
-types those keys (option_keys.py, read from source). A typo or a wrong type fails at
-composition or validation and names the key; each default is in exactly one place: an option's
-own values in its YAML file, the framework's keys here. A setting with a fixed set of values is
-an enum here, a Literal in a callable's signature, so a wrong value fails before anything runs.
+types those keys (config/keys.py, read from source). A typo, a wrong type or a value out of its
+bounds fails at composition or validation and names the key; each default is in exactly one
+place: an option's own values in its YAML file, the framework's keys here. A setting with a
+fixed set of values is an enum here, a Literal in a callable's signature; a bound is part of the
+type, here as in a signature (`Annotated[int, Ge(1)]`, annotated_types' bounds).
 
 What a resumed run may change and what an evaluation must match are declared on the fields
 themselves (`setting(..., resumable=True)`, `setting(..., eval_may_differ=True)`, and
@@ -21,8 +22,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
+from annotated_types import Ge, Gt, Interval
 from omegaconf import MISSING
 
 # Field metadata keys (read by framework/config/resume_rules.py).
@@ -106,9 +108,9 @@ class ModelConfig:
 class DataConfig:
     _target_: str = MISSING  # a function returning framework.components.data.Splits
     # per rank; global batch = batch_size * world_size * grad_accum (trainer.global_batch_size)
-    batch_size: int = setting(32, eval_may_differ=True)
-    eval_batch_size: int = setting(256, resumable=True, eval_may_differ=True)
-    num_workers: int = setting(0, resumable=True, eval_may_differ=True)
+    batch_size: Annotated[int, Ge(1)] = setting(32, eval_may_differ=True)
+    eval_batch_size: Annotated[int, Ge(1)] = setting(256, resumable=True, eval_may_differ=True)
+    num_workers: Annotated[int, Ge(0)] = setting(0, resumable=True, eval_may_differ=True)
     pin_memory: bool = setting(True, resumable=True, eval_may_differ=True)  # CUDA only
     # only takes effect with num_workers > 0
     persistent_workers: bool = setting(True, resumable=True, eval_may_differ=True)
@@ -140,15 +142,15 @@ class LrScaling(StrEnum):
 class OptimizerConfig:
     _target_: str = MISSING  # a torch.optim.Optimizer class; the runner gives it the parameters
     _partial_: bool = True
-    lr: float = MISSING  # each option's own
-    weight_decay: float = 0.0
+    lr: Annotated[float, Gt(0)] = MISSING  # each option's own
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     # lr is given for reference_batch_size; scale it to the actual global batch.
     lr_scaling: LrScaling = LrScaling.none
-    reference_batch_size: int = 256
+    reference_batch_size: Annotated[int, Ge(1)] = 256
     # Parameter groups: no weight decay on biases and normalisation weights (1-D parameters),
     # and lr multipliers by parameter name (fnmatch patterns: {"head.*": 10.0}; first match).
     no_weight_decay: bool = False
-    lr_multipliers: dict[str, float] = field(default_factory=dict)
+    lr_multipliers: dict[str, Annotated[float, Gt(0)]] = field(default_factory=dict)
 
 
 @dataclass
@@ -178,7 +180,7 @@ class StrategyConfig:
 @dataclass
 class LauncherConfig:
     name: str = MISSING
-    nproc_per_node: int = 2  # ranks started on this machine
+    nproc_per_node: Annotated[int, Ge(1)] = 2  # ranks started on this machine
     # Start more ranks than this machine holds (CPU: 4 per core; GPU: one per visible device):
     # refused unless true.
     oversubscribe: bool = False
@@ -190,7 +192,7 @@ class LocalLauncherConfig(LauncherConfig):
 
     name: str = "local"
     # One rank per visible GPU, else 2 (an interpolation OmegaConf resolves to an int).
-    nproc_per_node: int = "${default_ranks:}"  # type: ignore[assignment]
+    nproc_per_node: Annotated[int, Ge(1)] = "${default_ranks:}"  # type: ignore[assignment]
 
 
 @dataclass
@@ -199,7 +201,7 @@ class TorchrunLauncherConfig(LauncherConfig):
 
     name: str = "torchrun"
     # One rank per visible GPU, else 2 (an interpolation OmegaConf resolves to an int).
-    nproc_per_node: int = "${default_ranks:}"  # type: ignore[assignment]
+    nproc_per_node: Annotated[int, Ge(1)] = "${default_ranks:}"  # type: ignore[assignment]
     # Nodes: N, or MIN:MAX (as torchrun's --nnodes) for an elastic job that goes on with the
     # nodes left after one is lost (needs max_restarts >= 1; docs/launchers.md). An int or a
     # string; node ranks are assigned by the rendezvous.
@@ -210,15 +212,17 @@ class TorchrunLauncherConfig(LauncherConfig):
     rdzv_host: bool = False
     # This node's address as the other nodes reach it (null: its hostname, as torchrun).
     local_addr: str | None = None
-    max_restarts: int = 0  # restart the whole group this many times after a worker dies
-    monitor_interval_s: float = 0.5
+    max_restarts: Annotated[int, Ge(0)] = (
+        0  # restart the whole group this many times after a worker dies
+    )
+    monitor_interval_s: Annotated[float, Gt(0)] = 0.5
     # c10d rendezvous timing (torch's defaults). Once MIN nodes have joined, a round waits
     # last_call_s for more before it starts; a node that sent no keep-alive for
     # keep_alive_s x keep_alive_attempts is dropped, and only then can a restart after a lost
     # node form its round: the survivors restart after about the sum of the two.
-    rdzv_last_call_s: int = 30
-    rdzv_keep_alive_s: int = 5
-    rdzv_keep_alive_attempts: int = 3
+    rdzv_last_call_s: Annotated[int, Ge(1)] = 30
+    rdzv_keep_alive_s: Annotated[int, Ge(1)] = 5
+    rdzv_keep_alive_attempts: Annotated[int, Ge(1)] = 3
 
 
 @dataclass
@@ -226,22 +230,23 @@ class SubmititLauncherConfig(LauncherConfig):
     """One job per run (per sweep job) through hydra-submitit-launcher; one task per rank."""
 
     name: str = MISSING
-    nproc_per_node: int = "${launcher.tasks_per_node}"  # type: ignore[assignment]
-    tasks_per_node: int = 2  # ranks per node (one per GPU on GPU nodes)
+    nproc_per_node: Annotated[int, Ge(1)] = "${launcher.tasks_per_node}"  # type: ignore[assignment]
+    tasks_per_node: Annotated[int, Ge(1)] = 2  # ranks per node (one per GPU on GPU nodes)
     gpus_per_node: int = 0
     cpus_per_task: int | None = None
     mem_gb: int | None = None
-    timeout_min: int = 60
+    timeout_min: Annotated[int, Ge(1)] = 60
     # SIGUSR2 arrives this long before the time limit: the ranks save and submitit requeues.
     signal_delay_s: int = 120
-    max_num_timeout: int = 3  # requeues after hitting the time limit (preemptions are free)
+    # requeues after hitting the time limit (preemptions are free)
+    max_num_timeout: Annotated[int, Ge(0)] = 3
     master_port: int | None = None  # rank 0's rendezvous port; null: derived from the job id
 
 
 @dataclass
 class SlurmLauncherConfig(SubmititLauncherConfig):
     name: str = "slurm"
-    nodes: int = 1
+    nodes: Annotated[int, Ge(1)] = 1
     partition: str | None = None  # null: the cluster's default partition
     account: str | None = None
     qos: str | None = None
@@ -267,7 +272,7 @@ class LoggerConfig:
 
 @dataclass
 class DDPConfig:
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: Annotated[float, Gt(0)] = 25.0  # DDP's default
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     find_unused_parameters: bool = False
@@ -276,7 +281,7 @@ class DDPConfig:
 @dataclass
 class DistConfig:
     backend: Backend = Backend.auto
-    timeout_s: float = setting(600.0, resumable=True)
+    timeout_s: Annotated[float, Gt(0)] = setting(600.0, resumable=True)
     ddp: DDPConfig = field(default_factory=DDPConfig)
 
 
@@ -284,35 +289,38 @@ class DistConfig:
 class EarlyStoppingConfig:
     """Stop when the objective has not improved for `patience` evaluations (trainer.eval_every)."""
 
-    patience: int | None = None  # evaluations without improvement; null: never stop early
-    min_delta: float = 0.0  # an improvement smaller than this counts as none
+    # evaluations without improvement; null: never stop early
+    patience: Annotated[int | None, Ge(1)] = None
+    min_delta: Annotated[float, Ge(0)] = 0.0  # an improvement smaller than this counts as none
 
 
 @dataclass
 class TrainerConfig:
     # optimizer steps; whichever of max_steps/max_epochs ends first
-    max_steps: int | None = setting(None, resumable=True)
-    max_epochs: int | None = setting(15, resumable=True)
-    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: Annotated[int | None, Ge(1)] = setting(None, resumable=True)
+    max_epochs: Annotated[int | None, Ge(1)] = setting(15, resumable=True)
+    grad_accum: Annotated[int, Ge(1)] = 1  # micro-batches per optimizer step
     # Samples per optimizer step over all ranks; null: data.batch_size x ranks x grad_accum.
     # Set, grad_accum is derived from it for the job's number of ranks (leave grad_accum at 1),
     # so an elastic job that loses or gains a node keeps it (framework/config/batch.py).
-    global_batch_size: int | None = None
-    clip_grad_norm: float | None = None
-    eval_every: int = setting(0, resumable=True)  # steps between evaluations; 0 = only at the end
+    global_batch_size: Annotated[int | None, Ge(1)] = None
+    clip_grad_norm: Annotated[float | None, Gt(0)] = None  # null: no clipping
+    # steps between evaluations; 0 = only at the end
+    eval_every: Annotated[int, Ge(0)] = setting(0, resumable=True)
     # At most this many batches per rank (data.eval_batch_size each) in every validation of a
     # training run, the final one included: the metrics are then those of the first batches of
     # each rank's shard. null: the whole split. The test split and mode=eval always see it all.
-    eval_batches: int | None = setting(None, resumable=True)
-    log_every: int = setting(10, resumable=True)  # steps between metric events
-    seed: int = 0
+    eval_batches: Annotated[int | None, Ge(1)] = setting(None, resumable=True)
+    log_every: Annotated[int, Ge(1)] = setting(10, resumable=True)  # steps between metric events
+    seed: Annotated[int, Interval(ge=0, lt=2**32)] = 0  # what numpy's generator takes
     sync_batchnorm: bool = False
     # NHWC weights and images: faster convolutions on recent GPUs
     channels_last: bool = setting(False, resumable=True)
     # torch.compile the DDP model (DDP's optimizer splits graphs at bucket boundaries so
     # communication still overlaps): pays a compile at start-up for faster steps after.
     compile: bool = setting(False, resumable=True)
-    ema_decay: float | None = None  # e.g. 0.999; evaluation then uses the averaged weights
+    # e.g. 0.999; evaluation then uses the averaged weights
+    ema_decay: Annotated[float | None, Interval(gt=0, lt=1)] = None
     progress_bar: bool = setting(True, resumable=True)  # rank 0, only when stderr is a terminal
     # A non-finite loss (or, outside amp, gradient) on any rank: every rank sees it at the
     # same step. stop: end the run there, saving nothing; skip: drop that update and go on.
@@ -332,19 +340,21 @@ class TrainerConfig:
     # One device's dense peak TFLOP/s, for mfu. null: the GPU's from the table in
     # framework/components/utilization.py (by its name and the precision); on a CPU, or a GPU the
     # table lacks, no mfu is logged unless this is set.
-    peak_tflops: float | None = setting(None, resumable=True)
+    peak_tflops: Annotated[float | None, Gt(0)] = setting(None, resumable=True)
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 500  # optimizer steps between checkpoints; 0 = only the final one
-    keep: int = 3  # newest checkpoints kept in <run dir>/checkpoints (>= 1)
+    every: Annotated[int, Ge(0)] = (
+        500  # optimizer steps between checkpoints; 0 = only the final one
+    )
+    keep: Annotated[int, Ge(1)] = 3  # newest checkpoints kept in <run dir>/checkpoints
     # auto: continue from the newest valid checkpoint in the run dir, if any; never; or a path.
     resume: str = "auto"
     final: bool = True  # also save when the run ends or stops on a signal / Ctrl-C
     # Keep the best K checkpoints by the objective (at every evaluation) in checkpoints/best/,
     # best.pt -> the best; 0: off. A data option with a test split is tested with the best.
-    best: int = 0
+    best: Annotated[int, Ge(0)] = 0
     format: CheckpointFormat = CheckpointFormat.auto
     # sharded only: periodic saves copy the shards to host memory and write them in the
     # background while the next steps train (sealed, and linked as last.pt, once written).

@@ -1,185 +1,385 @@
-"""Rules that span keys, checked before the run dir exists. Each raises ConfigError naming the
-setting and the fix.
-
-Rules for one option's own knobs (PowerSGD's rank, AMP's scaler) are registered in CHECKS by
-the callable the option names (`_target_`; a launcher by its schema), so a user's option that
-names the same callable is checked like the shipped one.
+"""The config's rules, checked once before torch is imported: what each key is (config/keys.py:
+keys, types and bounds declared beside the key), then the facts between keys, in one table
+(`RULES`). Each raises ConfigError naming the setting and the fix. Where a rule goes is
+docs/architecture.md's "Where a rule goes"; what needs the built parts is the trial's
+(framework/rank/preflight.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import importlib.util
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import batch
 from framework.config import schemas as s
-from framework.config.data_sizes import check_data_sizes
-from framework.config.option_keys import check_target_keys
-from framework.config.registry import LAUNCHERS, shipped_choice, shipped_targets
+from framework.config.keys import check_keys
+from framework.config.registry import shipped_choice
 from framework.config.resolvers import gpu_count
-from framework.config.value_rules import VALUE_RULES, Check, every, require
 from framework.core import launch_context
-from framework.core.allowlist import check_targets, trusted_prefixes
 from framework.core.devices import visible_gpus
 from framework.core.exits import ConfigError
 from framework.core.signatures import class_literal
 
+__all__ = ["check_keys", "validate"]
+
 CPU_RANKS_PER_CORE = 4  # beyond this a CPU run only thrashes (launcher.oversubscribe insists)
 RUN_METRICS = {"samples_per_s": "max", "wall_s": "min"}  # objectives every run reports
-GROUPS = (
-    "task",
-    "model",
-    "data",
-    "optimizer",
-    "scheduler",
-    "precision",
-    "comm",
-    "strategy",
-    "launcher",
-)
 # The shipped callables some rules name.
 ALLREDUCE = "framework.components.comm.Comm"
 AMP = "framework.components.precision.AMP"
 FSDP = "framework.components.strategy.FSDP"
+CSV = "framework.components.loggers.CsvSink"
+TASKS = "framework.components.tasks."
+LANGUAGE_MODEL = f"{TASKS}LanguageModel"
+TEXT = "framework.components.data.text"
+MLFLOW = "framework.components.loggers.MLflowSink"
 # Loggers whose library is an optional dependency (the `loggers` dependency group).
 LOGGER_PACKAGES = {
     "framework.components.loggers.TensorBoardSink": "tensorboard",
-    "framework.components.loggers.MLflowSink": "mlflow",
+    MLFLOW: "mlflow",
 }
-
-
-# The framework's own sections: every key is a field of their schema (`+trainer.max_step=...`
-# would otherwise be accepted and never read).
-TYPED_SECTIONS = {
-    "trainer": s.TrainerConfig,
-    "trainer.early_stopping": s.EarlyStoppingConfig,
-    "checkpoint": s.CheckpointConfig,
-    "dist": s.DistConfig,
-    "dist.ddp": s.DDPConfig,
-    "eval": s.EvalConfig,
-}
+Rule = Callable[[DictConfig], str | None]  # the whole config -> what is wrong, or None
 
 
 def validate(cfg: DictConfig) -> None:
-    """Check rules that span keys. Raises ConfigError with the setting and the fix."""
-    trusted_prefixes(cfg)  # first: an allowed_targets that does not resolve says so, by name
-    _check_groups_name_their_builder(cfg)
-    _check_nothing_missing(cfg)
-    _check_keys_and_targets(cfg)
-    _check_mode(cfg)
-    _check_trainer(cfg.trainer)
-    _check_checkpoint(cfg.checkpoint, sharded_checkpoints(cfg))
-    nproc = cfg.launcher.nproc_per_node
-    require(
-        nproc >= 1,
-        f"launcher.nproc_per_node={nproc} is invalid: it must be >= 1 "
-        "(1 = one process, 2 = two local ranks, ...)",
+    """Every key and every fact between keys. Raises ConfigError with the setting and the fix."""
+    try:
+        check_keys(cfg)
+        for rule in RULES:
+            if (problem := rule(cfg)) is not None:
+                raise ConfigError(problem)
+    except OmegaConfBaseException as error:  # a value that is not of its key's type
+        raise ConfigError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+# --- the facts between keys, one rule each ----------------------------------------------------
+def evaluation_names_a_checkpoint(cfg: DictConfig) -> str | None:
+    if cfg.mode == "eval" and cfg.checkpoint.resume in ("auto", "never"):
+        return (
+            "mode=eval evaluates a checkpoint: set checkpoint.resume=<run dir>/checkpoints/"
+            "last.pt (or best.pt, or any step_*.pt)"
+        )
+    return None
+
+
+def test_split_was_held_out(cfg: DictConfig) -> str | None:
+    """(the training run's data settings: a resume or an evaluation takes its record's)"""
+    if cfg.mode == "eval" and cfg.eval.split == "test" and cfg.data.get("test_fraction", 1) <= 0:
+        return (
+            "eval.split=test: the run was trained with data.test_fraction=0, so it held out no "
+            "test split (every sample went to training or validation): use eval.split=val, or "
+            "train a run with data.test_fraction > 0"
+        )
+    return None
+
+
+def training_has_an_end(cfg: DictConfig) -> str | None:
+    if cfg.trainer.max_steps is None and cfg.trainer.max_epochs is None:
+        return "trainer.max_steps and trainer.max_epochs are both null: set at least one"
+    return None
+
+
+def early_stopping_counts_evaluations(cfg: DictConfig) -> str | None:
+    if cfg.trainer.early_stopping.patience is not None and cfg.trainer.eval_every < 1:
+        return (
+            "trainer.early_stopping.patience counts evaluations: set trainer.eval_every "
+            "(steps between evaluations) >= 1"
+        )
+    return None
+
+
+def profiled_steps_are_a_range(cfg: DictConfig) -> str | None:
+    steps = list(cfg.trainer.profile_steps)
+    if steps == [] or (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+        return None
+    return (
+        f"trainer.profile_steps={steps} is invalid: give [first, last] optimizer steps, e.g. "
+        "[10, 12], or [] (off)"
     )
-    require(cfg.data.batch_size >= 1, f"data.batch_size={cfg.data.batch_size} must be >= 1")
-    require(
-        cfg.data.eval_batch_size >= 1,
-        f"data.eval_batch_size={cfg.data.eval_batch_size} must be >= 1",
+
+
+def global_batch_divides(cfg: DictConfig) -> str | None:
+    """trainer.global_batch_size divides into per-rank batches at every number of ranks this
+    job can have (an elastic range: each of them), so no round of it is refused mid-run."""
+    wanted = cfg.trainer.global_batch_size
+    if wanted is None:
+        return None
+    if cfg.trainer.grad_accum != 1:
+        return (
+            f"trainer.grad_accum={cfg.trainer.grad_accum} with trainer.global_batch_size="
+            f"{wanted}: the accumulation is derived from the global batch; leave "
+            "trainer.grad_accum at 1, or set trainer.global_batch_size=null"
+        )
+    batch.check(wanted, cfg.data.batch_size, *world_sizes(cfg))
+    return None
+
+
+def background_saves_write_shards(cfg: DictConfig) -> str | None:
+    if cfg.checkpoint.async_save and not sharded_checkpoints(cfg):
+        return (
+            "checkpoint.async_save=true writes sharded checkpoints in the background, and this "
+            "run writes one file from rank 0: add checkpoint.format=sharded (the default under "
+            "strategy=fsdp)"
+        )
+    return None
+
+
+def resume_names_a_checkpoint(cfg: DictConfig) -> str | None:
+    resume = cfg.checkpoint.resume
+    if resume in ("auto", "never"):
+        return None
+    path = Path(resume).expanduser()
+    if path.is_file() or (path / ".metadata").is_file():  # DCP's index: a sharded one
+        return None
+    return (
+        f"checkpoint.resume={resume} is no checkpoint: give a checkpoint file or folder "
+        "(<run dir>/checkpoints/last.pt), auto or never"
     )
-    _check_global_batch(cfg)
-    require(cfg.data.num_workers >= 0, f"data.num_workers={cfg.data.num_workers} must be >= 0")
-    require(cfg.optimizer.lr > 0, f"optimizer.lr={cfg.optimizer.lr} must be > 0")
-    decay = cfg.optimizer.weight_decay
-    require(decay >= 0, f"optimizer.weight_decay={decay} must be >= 0")
-    reference = cfg.optimizer.reference_batch_size
-    require(reference >= 1, f"optimizer.reference_batch_size={reference} must be >= 1")
-    for pattern, multiplier in (cfg.optimizer.get("lr_multipliers") or {}).items():
-        require(multiplier > 0, f"optimizer.lr_multipliers.{pattern}={multiplier} must be > 0")
-    require(cfg.dist.timeout_s > 0, f"dist.timeout_s={cfg.dist.timeout_s} must be > 0")
-    _check_backend(cfg)
-    bucket = cfg.dist.ddp.bucket_cap_mb
-    require(bucket > 0, f"dist.ddp.bucket_cap_mb={bucket} must be > 0 (25 is DDP's default)")
-    for group in GROUPS:
-        for check in checks_for(cfg[group]):
-            check(cfg[group], cfg)
-    check_data_sizes(cfg.data, fewest_ranks(cfg.launcher), cfg.trainer.grad_accum)
+
+
+# Said here, where /proc tells, and by the rank, where only torch can (another vendor's GPUs).
+NCCL_WITHOUT_GPU = (
+    "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto (gloo on "
+    "CPU) or dist.backend=gloo"
+)
+
+
+def nccl_has_a_gpu(cfg: DictConfig) -> str | None:
+    """Where the ranks run (submitting to SLURM, they run elsewhere)."""
+    if cfg.dist.backend == "nccl" and not _submitting(cfg) and visible_gpus() == 0:
+        return NCCL_WITHOUT_GPU
+    return None
+
+
+def one_launcher_per_srun_step(cfg: DictConfig) -> str | None:
+    """For launchers that start the ranks themselves: `srun -n 4 train` starts 4 launchers,
+    each with its own ranks and run dir. One task per node running launcher=torchrun with
+    launcher.nnodes = the step's nodes (or a range holding it) is a real job."""
+    launcher, here = cfg.launcher, launch_context.current()
+    if launcher.name not in ("local", "torchrun") or isinstance(
+        here, launch_context.TorchElastic | launch_context.SubmititTask
+    ):
+        return None
+    tasks, nodes = here.srun_step()
+    if launcher.name == "torchrun" and tasks == nodes:
+        low, high = node_range(launcher.nnodes)
+        if low <= nodes <= high:  # one task per node
+            return None
+    if tasks <= 1:
+        return None
+    return (
+        f"this is one of {tasks} tasks of an srun step: with launcher={launcher.name} each task "
+        "would start its own ranks and run dir. Submit with launcher=slurm (one task per rank), "
+        "or start one task per node that runs launchers/torchrun.sh"
+    )
+
+
+def ranks_fit_this_machine(cfg: DictConfig) -> str | None:
+    """The launchers that start their ranks on this machine: a rank count it cannot hold
+    (each rank a process with its own model; on GPUs one device each) is refused before a
+    single process is forked."""
+    launcher = cfg.launcher
+    nproc = launcher.nproc_per_node
+    if launcher.name not in ("local", "torchrun") or launcher.oversubscribe or nproc <= 1:
+        return None
+    if gpus := gpu_count():
+        if nproc <= gpus:
+            return None
+        return (
+            f"launcher.nproc_per_node={nproc}: this machine has {gpus} GPU(s) and each rank "
+            f"drives one; use launcher.nproc_per_node<={gpus}, or launcher.oversubscribe=true "
+            "to share them"
+        )
+    cores = len(os.sched_getaffinity(0))
+    if nproc <= CPU_RANKS_PER_CORE * cores:
+        return None
+    return (
+        f"launcher.nproc_per_node={nproc} is far more ranks than this machine's {cores} CPU "
+        f"cores hold (at most {CPU_RANKS_PER_CORE * cores}): lower it, or set "
+        "launcher.oversubscribe=true to insist"
+    )
+
+
+def an_elastic_range_restarts(cfg: DictConfig) -> str | None:
+    launcher = cfg.launcher
+    if launcher.name != "torchrun":
+        return None
+    low, high = node_range(launcher.nnodes)
+    if low == high or launcher.max_restarts >= 1:
+        return None
+    return (
+        f"launcher.nnodes={launcher.nnodes} is an elastic range, which goes on after a lost node "
+        "by restarting on the nodes left: set launcher.max_restarts>=1 (or a fixed "
+        f"launcher.nnodes={high})"
+    )
+
+
+def every_node_finds_the_rendezvous(cfg: DictConfig) -> str | None:
+    """host:port, or [IPv6]:port, with a port torch's rendezvous takes (it would refuse it only
+    once the run dir exists), and on several nodes a port every node can name."""
+    launcher = cfg.launcher
+    if launcher.name != "torchrun":
+        return None
+    endpoint = str(launcher.rdzv_endpoint)
+    if endpoint.startswith("["):
+        rest = endpoint.partition("]")[2]
+        port = rest[1:] if rest.startswith(":") else None
+    else:
+        port = endpoint.partition(":")[2] if endpoint.count(":") == 1 else None
+    if port is not None and not (re.fullmatch(r"[0-9]{1,5}", port) and int(port) <= 65535):
+        return (
+            f"launcher.rdzv_endpoint={endpoint}: give host:port with a port from 0 to 65535 "
+            "(0 picks a free one, on one node)"
+        )
+    if node_range(launcher.nnodes)[1] > 1 and endpoint.endswith(":0"):
+        return (
+            f"launcher.rdzv_endpoint={endpoint} with launcher.nnodes={launcher.nnodes}: port 0 "
+            "picks a free port on one node, which no other node can find: give node 0's "
+            "address and a port every node uses (e.g. launcher.rdzv_endpoint=node0:29500)"
+        )
+    return None
+
+
+def slurm_tasks_drive_one_gpu_each(cfg: DictConfig) -> str | None:
+    launcher = cfg.launcher
+    if launcher.name not in ("slurm", "slurm_local"):
+        return None
+    gpus, tasks = launcher.gpus_per_node, launcher.tasks_per_node
+    if gpus == 0 or tasks == gpus:
+        return None
+    return (
+        f"launcher.tasks_per_node={tasks} with launcher.gpus_per_node={gpus}: each rank drives "
+        f"one GPU, so set launcher.tasks_per_node={gpus} (or launcher.gpus_per_node={tasks})"
+    )
+
+
+def slurm_warns_before_its_time_limit(cfg: DictConfig) -> str | None:
+    launcher = cfg.launcher
+    if launcher.name not in ("slurm", "slurm_local") or "SIGUSR2" in cfg.trainer.stop_signals:
+        return None
+    return (
+        f"launcher={launcher.name} needs SIGUSR2 in trainer.stop_signals: SLURM sends it "
+        "launcher.signal_delay_s before the time limit so the ranks save before the job is "
+        "requeued"
+    )
+
+
+def slurm_starts_its_own_tasks(cfg: DictConfig) -> str | None:
+    launcher = cfg.launcher
+    if launcher.name not in ("slurm", "slurm_local") or not isinstance(
+        launch_context.current(), launch_context.TorchElastic
+    ):
+        return None
+    return (
+        f"launcher={launcher.name} under torchrun: SLURM starts one task per rank itself. Run "
+        f"`train launcher={launcher.name} ...` directly (on the login node), not under torchrun"
+    )
+
+
+def fsdp_reduces_gradients_itself(cfg: DictConfig) -> str | None:
+    """What FSDP's sharded gradients rule out: DDP's comm hooks, and a GradScaler that reads
+    whole gradients on each rank."""
+    if cfg.strategy._target_ != FSDP:
+        return None
+    if cfg.comm._target_ != ALLREDUCE:
+        return (
+            f"comm={shipped_choice('comm', cfg.comm)} is a DDP comm hook and strategy=fsdp "
+            "reduce-scatters gradients itself: use comm=allreduce with strategy=fsdp, or "
+            "strategy=ddp"
+        )
+    if cfg.precision._target_ == AMP:
+        return (
+            "precision=amp's GradScaler needs whole gradients on every rank and strategy=fsdp "
+            "shards them: use precision=bf16 (or fp32) with strategy=fsdp, or strategy=ddp"
+        )
+    return None
+
+
+def loggers_are_installed(cfg: DictConfig) -> str | None:
     for name, logger in cfg.logger.items():
-        _check_logger(str(name), logger, cfg)
+        if not isinstance(logger, DictConfig) or "_target_" not in logger:
+            return f"logger.{name} is not a logger: pick loggers by name, logger=[wandb,csv,...]"
+        package = LOGGER_PACKAGES.get(logger._target_)
+        if package is not None and importlib.util.find_spec(package) is None:
+            return (
+                f"logger={name} needs the {package} package, which is not installed: "
+                "uv sync --group loggers (uv run pytest installs it with the dev group)"
+            )
+    return None
+
+
+def loggers_write_into_the_run_dir(cfg: DictConfig) -> str | None:
+    """A logger's file is a file of the run dir; a local MLflow store, which would write
+    anywhere, comes only from the environment."""
+    for name, logger in cfg.logger.items():
+        if logger._target_ == CSV and (problem := file_name_problem(logger.filename)):
+            return f"logger.{name}.filename={logger.filename} {problem}"
+        if logger._target_ == MLFLOW and (problem := tracking_uri_problem(logger.tracking_uri)):
+            return f"logger.{name}.tracking_uri={logger.tracking_uri} {problem}"
+    return None
+
+
+def a_classifier_reads_no_token_sequences(cfg: DictConfig) -> str | None:
+    """A special case: a user who picks data=text and keeps the default classifier. Its
+    windows are 128 tokens of a 128-token vocabulary, so GPT's logits [batch, time,
+    vocabulary] have the shape a classifier's [batch, classes, time] would, and the time axis
+    is taken for the classes: it trains, to nonsense, and no shape says so."""
+    task = str(cfg.task._target_)
+    if cfg.data._target_ != TEXT or task == LANGUAGE_MODEL or not task.startswith(TASKS):
+        return None
+    return (
+        f"data=text gives token sequences, which only task=language_model reads, not "
+        f"task={shipped_choice('task', cfg.task)}: add task=language_model model=gpt "
+        "(experiment=char_gpt has them)"
+    )
+
+
+def the_objective_is_reported(cfg: DictConfig) -> str | None:
     directions = task_directions(cfg.task)
     if directions is not None:  # (else the rank checks it, once it has built the task)
         resolve_objective(cfg.objective, directions)
+    return None
 
 
-def check_keys(cfg: DictConfig) -> None:
-    """What is wrong in every job of a sweep that has it: a key that no schema or callable
-    takes, a value not of its key's type, a callable that may not be named. A sweep's jobs are
-    checked with it before the first starts; the rules about values (validate's others) fail a
-    job alone, and the sweep goes on (docs/launchers.md)."""
-    trusted_prefixes(cfg)
-    _check_groups_name_their_builder(cfg)
-    _check_keys_and_targets(cfg)
+# In order: what a run is asked to do, then how its steps are counted, where it saves, how its
+# ranks start, how they communicate, what they write.
+RULES: tuple[Rule, ...] = (
+    evaluation_names_a_checkpoint,
+    test_split_was_held_out,
+    training_has_an_end,
+    early_stopping_counts_evaluations,
+    profiled_steps_are_a_range,
+    global_batch_divides,
+    background_saves_write_shards,
+    resume_names_a_checkpoint,
+    nccl_has_a_gpu,
+    one_launcher_per_srun_step,
+    ranks_fit_this_machine,
+    an_elastic_range_restarts,
+    every_node_finds_the_rendezvous,
+    slurm_tasks_drive_one_gpu_each,
+    slurm_warns_before_its_time_limit,
+    slurm_starts_its_own_tasks,
+    fsdp_reduces_gradients_itself,
+    loggers_are_installed,
+    loggers_write_into_the_run_dir,
+    a_classifier_reads_no_token_sequences,
+    the_objective_is_reported,
+)
 
 
-def _check_keys_and_targets(cfg: DictConfig) -> None:
-    _check_no_unknown_keys(cfg)
-    check_targets(cfg, shipped_targets())
-    check_target_keys(cfg)  # (after the allowlist: it reads the targets' source)
-
-
-def _check_nothing_missing(cfg: DictConfig) -> None:
-    """A mandatory value (??? in a schema) that no option or override set."""
-    # Hydra's own node holds values that exist only inside a job (hydra.job.num): not walked.
-    missing = sorted(
-        key
-        for section in cfg
-        if section != "hydra" and isinstance(cfg[section], DictConfig)
-        for key in OmegaConf.missing_keys(cfg[section])
-    )
-    if not missing:
-        return
-    key = missing[0]
-    if key.endswith("_target_"):
-        group = key.rsplit(".", 1)[0]
-        raise ConfigError(
-            f"{key} is not set: the {group} option must name what builds it (`_target_: "
-            f"my_package.module.name` in its YAML file; see docs/tasks.md)"
-        )
-    raise ConfigError(f"{key} is not set: give it a value ({key}=...)")
-
-
-BUILT_GROUPS = ("task", "model", "data", "optimizer", "scheduler")
-
-
-def _check_groups_name_their_builder(cfg: DictConfig) -> None:
-    """A user's option written without its schema's defaults has no `_target_` at all; its
-    other keys' interpolations would fail first, naming a key the user never wrote."""
-    for group in BUILT_GROUPS:
-        node = cfg.get(group)
-        if isinstance(node, DictConfig) and "_target_" not in node:
-            raise ConfigError(
-                f"{group}._target_ is not set: the {group} option must name what builds it "
-                "(`_target_: my_package.module.name` in its YAML file; see docs/tasks.md)"
-            )
-
-
-def _check_no_unknown_keys(cfg: DictConfig) -> None:
-    sections = dict(TYPED_SECTIONS)
-    if (launcher := LAUNCHERS.get(str(cfg.launcher.get("name")))) is not None:
-        sections["launcher"] = launcher  # its keys: its start method's schema
-    for section, schema in sections.items():
-        known = [field.name for field in dataclasses.fields(schema)]
-        node = OmegaConf.select(cfg, section)
-        for key in node.keys() if node is not None else ():
-            if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1)
-                hint = (
-                    f"did you mean {section}.{close[0]}?"
-                    if close
-                    else f"the keys are {', '.join(known)}"
-                )
-                raise ConfigError(f"{section}.{key} is not a setting: {hint}")
-
-
+# --- what the rules, the launchers and the ranks read of the config -------------------------
 def task_directions(task: DictConfig) -> dict[str, str] | None:
     """{val/<metric>: min | max} of a task, from the `metrics` its class writes in its source,
     or from its `metrics_by_setting` ({setting: {value: metrics}}: task=autoencoder's follow
@@ -215,17 +415,12 @@ def resolve_monitor(objective: str | None, directions: dict[str, str]) -> tuple[
     return (name, direction) if name in directions else next(iter(directions.items()))
 
 
-def _check_backend(cfg: DictConfig) -> None:
-    """dist.backend=nccl where the ranks run and no GPU is (the rank would refuse it after
-    start-up); submitting to SLURM, the ranks run elsewhere."""
-    require(cfg.dist.backend != "nccl" or _submitting(cfg) or visible_gpus() != 0, NCCL_WITHOUT_GPU)
-
-
-# Said here, where /proc tells, and by the rank, where only torch can (another vendor's GPUs).
-NCCL_WITHOUT_GPU = (
-    "dist.backend=nccl needs CUDA devices and none is visible: use dist.backend=auto (gloo on "
-    "CPU) or dist.backend=gloo"
-)
+def sharded_checkpoints(cfg: DictConfig) -> bool:
+    """checkpoint.format resolved: auto is sharded under strategy=fsdp."""
+    chosen = cfg.checkpoint.format
+    if chosen == s.CheckpointFormat.auto:
+        return cfg.strategy._target_ == FSDP
+    return chosen == s.CheckpointFormat.sharded
 
 
 def _submitting(cfg: DictConfig) -> bool:
@@ -233,96 +428,6 @@ def _submitting(cfg: DictConfig) -> bool:
     return cfg.launcher.name == "slurm" and not isinstance(
         launch_context.current(), launch_context.SubmititTask
     )
-
-
-def _check_mode(cfg: DictConfig) -> None:
-    if cfg.mode == "eval":
-        require(
-            cfg.checkpoint.resume not in ("auto", "never"),
-            "mode=eval evaluates a checkpoint: set checkpoint.resume=<run dir>/checkpoints/"
-            "last.pt (or best.pt, or any step_*.pt)",
-        )
-        # (the training run's data settings: its recorded overrides are taken)
-        require(
-            cfg.eval.split != "test" or cfg.data.get("test_fraction", 1) > 0,
-            "eval.split=test: the run was trained with data.test_fraction=0, so it held out no "
-            "test split (every sample went to training or validation): use eval.split=val, or "
-            "train a run with data.test_fraction > 0",
-        )
-
-
-def _check_trainer(t: DictConfig) -> None:
-    require(t.grad_accum >= 1, f"trainer.grad_accum={t.grad_accum} is invalid: must be >= 1")
-    require(
-        0 <= t.seed < 2**32,
-        f"trainer.seed={t.seed} must be in [0, 2**32 - 1] (what numpy's generator takes)",
-    )
-    require(
-        t.peak_tflops is None or t.peak_tflops > 0,
-        f"trainer.peak_tflops={t.peak_tflops} must be > 0 (or null: the device's own figure)",
-    )
-    require(t.log_every >= 1, f"trainer.log_every={t.log_every} is invalid: must be >= 1")
-    require(
-        t.eval_every >= 0, f"trainer.eval_every={t.eval_every} is invalid: use 0 (end only) or >= 1"
-    )
-    require(
-        t.eval_batches is None or t.eval_batches >= 1,
-        f"trainer.eval_batches={t.eval_batches} is invalid: use >= 1, or null (the whole split)",
-    )
-    require(
-        t.max_steps is not None or t.max_epochs is not None,
-        "trainer.max_steps and trainer.max_epochs are both null: set at least one",
-    )
-    require(
-        t.max_steps is None or t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1"
-    )
-    require(
-        t.max_epochs is None or t.max_epochs >= 1, f"trainer.max_epochs={t.max_epochs} must be >= 1"
-    )
-    require(
-        t.clip_grad_norm is None or t.clip_grad_norm > 0,
-        f"trainer.clip_grad_norm={t.clip_grad_norm} must be > 0 (or null to disable clipping)",
-    )
-    require(
-        t.ema_decay is None or 0.0 < t.ema_decay < 1.0,
-        f"trainer.ema_decay={t.ema_decay} must be in (0, 1), e.g. 0.999 (or null to disable)",
-    )
-    patience = t.early_stopping.patience
-    if patience is not None:
-        require(
-            patience >= 1, f"trainer.early_stopping.patience={patience} must be >= 1 (or null: off)"
-        )
-        require(
-            t.eval_every >= 1,
-            "trainer.early_stopping.patience counts evaluations: set "
-            "trainer.eval_every (steps between evaluations) >= 1",
-        )
-    require(
-        t.early_stopping.min_delta >= 0,
-        f"trainer.early_stopping.min_delta={t.early_stopping.min_delta} must be >= 0",
-    )
-    steps = list(t.profile_steps)
-    require(
-        steps == [] or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
-        f"trainer.profile_steps={steps} is invalid: give [first, last] optimizer steps, "
-        "e.g. [10, 12], or [] (off)",
-    )
-
-
-def _check_global_batch(cfg: DictConfig) -> None:
-    """trainer.global_batch_size divides into per-rank batches at every number of ranks this
-    job can have (an elastic range: each of them), so no round of it is refused mid-run."""
-    wanted, per_rank = cfg.trainer.global_batch_size, cfg.data.batch_size
-    if wanted is None:
-        return
-    require(wanted >= 1, f"trainer.global_batch_size={wanted} must be >= 1 (or null)")
-    require(
-        cfg.trainer.grad_accum == 1,
-        f"trainer.grad_accum={cfg.trainer.grad_accum} with trainer.global_batch_size={wanted}: "
-        "the accumulation is derived from the global batch; leave trainer.grad_accum at 1, or "
-        "set trainer.global_batch_size=null",
-    )
-    batch.check(wanted, per_rank, *world_sizes(cfg))
 
 
 def world_sizes(cfg: DictConfig) -> tuple[list[int], str]:
@@ -340,91 +445,6 @@ def world_sizes(cfg: DictConfig) -> tuple[list[int], str]:
     return [nodes * nproc], f"launcher.nproc_per_node={nproc}" + (
         f" x launcher.nodes={nodes}" if nodes > 1 else ""
     )
-
-
-def sharded_checkpoints(cfg: DictConfig) -> bool:
-    """checkpoint.format resolved: auto is sharded under strategy=fsdp."""
-    chosen = cfg.checkpoint.format
-    if chosen == s.CheckpointFormat.auto:
-        return cfg.strategy._target_ == FSDP
-    return chosen == s.CheckpointFormat.sharded
-
-
-def _check_checkpoint(ck: DictConfig, sharded: bool) -> None:
-    require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0 (0 = final only)")
-    require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
-    require(ck.best >= 0, f"checkpoint.best={ck.best} must be >= 0 (0: off)")
-    require(
-        sharded or not ck.async_save,
-        "checkpoint.async_save=true writes sharded checkpoints in the background, and this run "
-        "writes one file from rank 0: add checkpoint.format=sharded (the default under "
-        "strategy=fsdp)",
-    )
-    if ck.resume not in ("auto", "never"):
-        path = Path(ck.resume).expanduser()
-        require(
-            path.is_file() or (path / ".metadata").is_file(),  # DCP's index: a sharded one
-            f"checkpoint.resume={ck.resume} is no checkpoint: give a checkpoint file or folder "
-            "(<run dir>/checkpoints/last.pt), auto or never",
-        )
-
-
-def _reject_srun_steps(launcher: DictConfig, cfg: DictConfig) -> None:
-    """For launchers that start the ranks themselves: `srun -n 4 train` starts 4 launchers,
-    each with its own ranks and run dir. One task per node running launcher=torchrun with
-    launcher.nnodes = the step's nodes (or a range holding it) is a real job."""
-    here = launch_context.current()
-    if isinstance(here, launch_context.TorchElastic | launch_context.SubmititTask):
-        return
-    tasks, nodes = here.srun_step()
-    if launcher.name == "torchrun" and tasks == nodes:
-        low, high = node_range(launcher.nnodes)
-        if low <= nodes <= high:  # one task per node
-            return
-    if tasks > 1:
-        raise ConfigError(
-            f"this is one of {tasks} tasks of an srun step: with launcher={launcher.name} each "
-            "task would start its own ranks and run dir. Submit with launcher=slurm (one task per "
-            "rank), or start one task per node that runs launchers/torchrun.sh"
-        )
-
-
-# --- one option's own knobs ------------------------------------------------------------------
-def _check_ranks_fit_this_machine(launcher: DictConfig, cfg: DictConfig) -> None:
-    """The launchers that start their ranks on this machine: a rank count it cannot hold
-    (each rank a process with its own model; on GPUs one device each) is refused before a
-    single process is forked."""
-    nproc = launcher.nproc_per_node
-    if launcher.oversubscribe or nproc <= 1:
-        return
-    gpus = gpu_count()
-    if gpus:
-        require(
-            nproc <= gpus,
-            f"launcher.nproc_per_node={nproc}: this machine has {gpus} GPU(s) and each rank "
-            f"drives one; use launcher.nproc_per_node<={gpus}, or launcher.oversubscribe=true "
-            "to share them",
-        )
-        return
-    cores = len(os.sched_getaffinity(0))
-    require(
-        nproc <= CPU_RANKS_PER_CORE * cores,
-        f"launcher.nproc_per_node={nproc} is far more ranks than this machine's {cores} CPU "
-        f"cores hold (at most {CPU_RANKS_PER_CORE * cores}): lower it, or set "
-        "launcher.oversubscribe=true to insist",
-    )
-
-
-def _check_local(launcher: DictConfig, cfg: DictConfig) -> None:
-    _reject_srun_steps(launcher, cfg)
-    _check_ranks_fit_this_machine(launcher, cfg)
-
-
-def fewest_ranks(launcher: DictConfig) -> int:
-    """The fewest ranks the launcher may start: nodes (the low end of an elastic range) x
-    ranks per node."""
-    nodes = node_range(launcher.nnodes)[0] if "nnodes" in launcher else launcher.get("nodes", 1)
-    return launcher.nproc_per_node * nodes
 
 
 def node_range(nnodes: str | int) -> tuple[int, int]:
@@ -452,139 +472,6 @@ def joins_other_node(launcher: DictConfig) -> bool:
     """A node of a multi-node launcher=torchrun job that does not host its rendezvous: the
     host holds the shared run dir's lock and writes its record."""
     return spans_nodes(launcher) and not launcher.rdzv_host
-
-
-def _check_torchrun(launcher: DictConfig, cfg: DictConfig) -> None:
-    _reject_srun_steps(launcher, cfg)
-    _check_ranks_fit_this_machine(launcher, cfg)
-    low, high = node_range(launcher.nnodes)
-    require(
-        launcher.max_restarts >= 0, f"launcher.max_restarts={launcher.max_restarts} must be >= 0"
-    )
-    require(
-        low == high or launcher.max_restarts >= 1,
-        f"launcher.nnodes={launcher.nnodes} is an elastic range, which goes on after a lost node "
-        "by restarting on the nodes left: set launcher.max_restarts>=1 (or a fixed "
-        f"launcher.nnodes={high})",
-    )
-    for key in ("rdzv_last_call_s", "rdzv_keep_alive_s", "rdzv_keep_alive_attempts"):
-        require(launcher[key] >= 1, f"launcher.{key}={launcher[key]} must be >= 1")
-    interval = launcher.monitor_interval_s
-    require(interval > 0, f"launcher.monitor_interval_s={interval} must be > 0")
-    _check_rdzv_endpoint(str(launcher.rdzv_endpoint))
-    require(
-        high == 1 or not str(launcher.rdzv_endpoint).endswith(":0"),
-        f"launcher.rdzv_endpoint={launcher.rdzv_endpoint} with launcher.nnodes="
-        f"{launcher.nnodes}: port 0 picks a free port on one node, which no other node can "
-        "find: give node 0's address and a port every node uses (e.g. "
-        "launcher.rdzv_endpoint=node0:29500)",
-    )
-
-
-def _check_rdzv_endpoint(endpoint: str) -> None:
-    """host:port, or [IPv6]:port, with a port torch's rendezvous takes (it would refuse it only
-    once the run dir exists); a bare host or IPv6 address takes torch's default port."""
-    if endpoint.startswith("["):
-        rest = endpoint.partition("]")[2]
-        port = rest[1:] if rest.startswith(":") else None
-    else:
-        port = endpoint.partition(":")[2] if endpoint.count(":") == 1 else None
-    require(
-        port is None or (re.fullmatch(r"[0-9]{1,5}", port) is not None and int(port) <= 65535),
-        f"launcher.rdzv_endpoint={endpoint}: give host:port with a port from 0 to 65535 "
-        "(0 picks a free one, on one node)",
-    )
-
-
-def _check_submitit(launcher: DictConfig, cfg: DictConfig) -> None:
-    for key in ("tasks_per_node", "timeout_min") + (("nodes",) if "nodes" in launcher else ()):
-        require(launcher[key] >= 1, f"launcher.{key}={launcher[key]} must be >= 1")
-    require(
-        launcher.max_num_timeout >= 0,
-        f"launcher.max_num_timeout={launcher.max_num_timeout} must be >= 0",
-    )
-    gpus, tasks = launcher.gpus_per_node, launcher.tasks_per_node
-    require(
-        gpus == 0 or tasks == gpus,
-        f"launcher.tasks_per_node={tasks} with launcher.gpus_per_node={gpus}: each rank drives "
-        f"one GPU, so set launcher.tasks_per_node={gpus} (or launcher.gpus_per_node={tasks})",
-    )
-    require(
-        "SIGUSR2" in cfg.trainer.stop_signals,
-        f"launcher={launcher.name} needs SIGUSR2 in trainer.stop_signals: SLURM sends it "
-        "launcher.signal_delay_s before the time limit so the ranks save before the job is "
-        "requeued",
-    )
-    require(
-        not isinstance(launch_context.current(), launch_context.TorchElastic),
-        f"launcher={launcher.name} under torchrun: SLURM starts one task per rank itself. Run "
-        f"`train launcher={launcher.name} ...` directly (on the login node), not under torchrun",
-    )
-
-
-def _check_amp(p: DictConfig, cfg: DictConfig) -> None:
-    require(p.init_scale > 0, f"precision.init_scale={p.init_scale} must be > 0")
-    require(p.growth_factor > 1, f"precision.growth_factor={p.growth_factor} must be > 1")
-    require(
-        0 < p.backoff_factor < 1, f"precision.backoff_factor={p.backoff_factor} must be in (0, 1)"
-    )
-    require(p.growth_interval >= 1, f"precision.growth_interval={p.growth_interval} must be >= 1")
-
-
-def _check_powersgd(comm: DictConfig, cfg: DictConfig) -> None:
-    require(
-        comm.rank >= 1,
-        f"comm.rank={comm.rank} is invalid: the PowerSGD rank must be >= 1 (1, 2 and 4 are usual)",
-    )
-    require(
-        comm.start_iter >= 0,
-        f"comm.start_iter={comm.start_iter} is invalid: steps of plain allreduce must be >= 0",
-    )
-    require(
-        comm.min_compression_rate >= 0,
-        f"comm.min_compression_rate={comm.min_compression_rate} must be >= 0",
-    )
-    require(
-        comm.orthogonalization_epsilon >= 0,
-        f"comm.orthogonalization_epsilon={comm.orthogonalization_epsilon} must be >= 0",
-    )
-
-
-def _check_fsdp(strategy: DictConfig, cfg: DictConfig) -> None:
-    """What FSDP's sharded gradients rule out: DDP's comm hooks, and a GradScaler that reads
-    whole gradients on each rank."""
-    require(
-        cfg.comm._target_ == ALLREDUCE,
-        f"comm={shipped_choice('comm', cfg.comm)} is a DDP comm hook and strategy=fsdp "
-        "reduce-scatters gradients itself: use comm=allreduce with strategy=fsdp, or strategy=ddp",
-    )
-    require(
-        cfg.precision._target_ != AMP,
-        "precision=amp's GradScaler needs whole gradients on every rank and strategy=fsdp shards "
-        "them: use precision=bf16 (or fp32) with strategy=fsdp, or strategy=ddp",
-    )
-    for name in strategy.block_classes or ():
-        require(
-            bool(name) and all(part.isidentifier() for part in str(name).split(".")),
-            f"strategy.block_classes: {name!r} is not a class name: give names such as "
-            "TransformerBlock or torch.nn.Linear",
-        )
-
-
-def _check_cifar10(data: DictConfig, cfg: DictConfig) -> None:
-    # Submitting from a login node: the compute nodes' mounts may be missing here.
-    if data.download or _submitting(cfg):
-        return
-    fix = "set data.root=/path/to/cifar-10-batches-py (or data.download=true with internet access)"
-    require(data.root is not None, f"data.root is not set: {fix}")
-    path = Path(data.root).expanduser()
-    require(path.is_dir(), f"data.root={data.root} is not a directory: {fix}")
-    folder = path if (path / "data_batch_1").exists() else path / "cifar-10-batches-py"
-    require(
-        (folder / "data_batch_1").exists() and (folder / "test_batch").exists(),
-        f"data.root={data.root} holds no CIFAR-10 python batches (data_batch_1 ... test_batch): "
-        f"{fix}",
-    )
 
 
 # What the run itself writes in its dir (storage/run_dir.py, the loggers' folders): a logger's
@@ -627,73 +514,3 @@ def tracking_uri_problem(uri: str | None) -> str | None:
         "is a local store, which only $MLFLOW_TRACKING_URI may name: set that variable, or "
         "an http(s) server here"
     )
-
-
-def _check_csv_logger(logger: DictConfig, cfg: DictConfig) -> None:
-    problem = file_name_problem(logger.filename)
-    require(problem is None, f"logger.csv.filename={logger.filename} {problem}")
-
-
-def _check_mlflow_logger(logger: DictConfig, cfg: DictConfig) -> None:
-    problem = tracking_uri_problem(logger.tracking_uri)
-    require(problem is None, f"logger.mlflow.tracking_uri={logger.tracking_uri} {problem}")
-    require(
-        logger.get("experiment") is None or str(logger.experiment).strip() != "",
-        "logger.mlflow.experiment is empty: name the MLflow experiment (or null for the default)",
-    )
-
-
-def _check_autoencoder(task: DictConfig, cfg: DictConfig) -> None:
-    require(task.kl_weight >= 0, f"task.kl_weight={task.kl_weight} must be >= 0")
-
-
-def _check_classification(task: DictConfig, cfg: DictConfig) -> None:
-    require(
-        0 <= task.label_smoothing < 1,
-        f"task.label_smoothing={task.label_smoothing} must be in [0, 1)",
-    )
-
-
-def _check_logger(name: str, logger: DictConfig, cfg: DictConfig) -> None:
-    require(
-        isinstance(logger, DictConfig) and "_target_" in logger,
-        f"logger.{name} is not a logger: pick loggers by name, logger=[wandb,csv,...]",
-    )
-    package = LOGGER_PACKAGES.get(logger._target_)
-    require(
-        package is None or importlib.util.find_spec(package) is not None,
-        f"logger={name} needs the {package} package, which is not installed: "
-        "uv sync --group loggers (uv run pytest installs it with the dev group)",
-    )
-    for check in checks_for(logger):
-        check(logger, cfg)
-
-
-_OWN_CHECKS: dict[str | type, Check] = {
-    s.LocalLauncherConfig: _check_local,
-    s.TorchrunLauncherConfig: _check_torchrun,
-    s.SubmititLauncherConfig: _check_submitit,
-    AMP: _check_amp,
-    "framework.components.comm.PowerSGD": _check_powersgd,
-    FSDP: _check_fsdp,
-    "framework.components.data.cifar10": _check_cifar10,
-    "framework.components.tasks.Autoencoder": _check_autoencoder,
-    "framework.components.tasks.Classification": _check_classification,
-    "framework.components.loggers.CsvSink": _check_csv_logger,
-    "framework.components.loggers.MLflowSink": _check_mlflow_logger,
-}
-# A callable with checks in both tables gets both (data=cifar10: its folder, and its shape).
-CHECKS: dict[str | type, Check] = {
-    key: every(_OWN_CHECKS[key], rule) if key in _OWN_CHECKS else rule
-    for key, rule in VALUE_RULES.items()
-} | {key: check for key, check in _OWN_CHECKS.items() if key not in VALUE_RULES}
-
-
-def checks_for(node: DictConfig) -> list[Check]:
-    """The checks of the callable an option names, or of a launcher's schema and the schemas
-    it extends."""
-    if "_target_" in node:
-        check = CHECKS.get(str(node._target_))
-        return [check] if check is not None else []
-    schema = OmegaConf.get_type(node)
-    return [CHECKS[kind] for kind in getattr(schema, "__mro__", ()) if kind in CHECKS]

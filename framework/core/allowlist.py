@@ -1,19 +1,15 @@
-"""What may run: the `_target_` allowlist, and the checks of Hydra's own node.
+"""What may run: the `_target_` allowlist.
 
 Hydra's `instantiate` calls whatever a `_target_` names, so a config that may name any callable
 may run any code. The rule is positive: a target is one public callable of a reviewed family
 (`TARGET_FAMILIES`, our own `framework.components`), or lies in your own source code that a
 config file trusts with `allowed_targets` (`check_targets`, called by `validate()`). It is judged
 on the object Hydra would really call, and no segment of either name may be private (`_`).
-Hydra's own node (callbacks, launcher, sweeper, logging factories) is instantiated before any
-callback of ours runs, so it is checked before Hydra starts: on the command line
-(`check_command_line`) and composed from the config files (`check_hydra_node`).
+What Hydra's own node may call is framework/app/hydra_node.py's.
 """
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import importlib.machinery
 import importlib.util
 import os
@@ -22,18 +18,13 @@ import sysconfig
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NoReturn
+from typing import Any
 
-from hydra._internal.utils import _locate, get_args_parser
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
-from hydra.core.plugins import Plugins
-from hydra.plugins.completion_plugin import CompletionPlugin
+from hydra._internal.utils import _locate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.core.exits import ConfigError, first_line
-from framework.core.hydra_settings import refusal, settable
 from framework.core.signatures import definition_of, module_suggestion, suggestion
 
 # --- what may run ---------------------------------------------------------------------------
@@ -253,92 +244,6 @@ def trusted_prefixes(cfg: DictConfig | Mapping) -> tuple[str, ...]:
     return tuple(extra)
 
 
-# --- Hydra's node ---------------------------------------------------------------------------
-# What Hydra's node may instantiate or call, by exact name: the launchers and sweepers that
-# Hydra, its plugins and we ship, the optuna sweeper's samplers, our validating callback,
-# Hydra's job-return logger and the logging classes of a console setup. Your own callbacks:
-# a module of yours in allowed_targets (config files only).
-HYDRA_NODE_TARGETS = frozenset(
-    {
-        "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
-        "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
-        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
-        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
-        "hydra_plugins.framework_launchers.framework_launchers.SweepLauncher",
-        "hydra_plugins.framework_launchers.framework_launchers.SubmititSlurmLauncher",
-        "hydra_plugins.framework_launchers.framework_launchers.SubmititLocalLauncher",
-        "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper",
-        *(
-            f"optuna.samplers.{name}"
-            for name in ("GridSampler", "TPESampler", "RandomSampler", "CmaEsSampler")
-        ),
-        *(f"optuna.samplers.{name}" for name in ("NSGAIISampler", "MOTPESampler", "QMCSampler")),
-        "framework.app.validate_callback.ValidateBeforeRun",
-        "hydra.experimental.callbacks.LogJobReturnCallback",
-        "logging.StreamHandler",
-        "logging.FileHandler",
-        "logging.Formatter",
-    }
-)
-# Keys whose value names something to call: instantiate's `_target_`, the factories of
-# logging.config.dictConfig (`()` for any factory, `class` for handlers and formatters), which
-# Hydra applies to hydra.job_logging / hydra.hydra_logging, and the optuna sweeper's function.
-HYDRA_CALLABLE_KEYS = ("_target_", "()", "class", "custom_search_space")
-# Subtrees of Hydra's node that Hydra instantiates or hands to logging.config.
-HYDRA_CODE_NODES = (
-    "hydra.callbacks",
-    "hydra.launcher",
-    "hydra.sweeper",
-    "hydra.job_logging",
-    "hydra.hydra_logging",
-)
-# dictConfig imports any `ext://` name it is given; a console handler needs only these.
-LOGGING_STREAMS = ("ext://sys.stdout", "ext://sys.stderr")
-# A log file (a FileHandler's `filename`) lies in the run dir, or a config could append log
-# lines (holding config values) to any file, a shell's rc file included.
-LOG_FILE_PREFIX = "${hydra.runtime.output_dir}/"
-VALIDATE_CALLBACK = "hydra.callbacks.validate"
-HYDRA_NODE_FIX = (
-    "Hydra's node may name the launchers, sweepers, callbacks and logging classes that Hydra "
-    "and this framework ship, or your own modules listed in allowed_targets in a config file"
-)
-
-
-def hydra_target_problem(target: Any, trusted: Iterable[str] = ()) -> str | None:
-    """Why Hydra's node may not call `target`; None when it may."""
-    if isinstance(target, str) and target in HYDRA_NODE_TARGETS:
-        return None
-    if isinstance(target, str) and matches_prefix(target, trusted):
-        return target_problem(target, trusted)
-    return "is not allowed here: " + HYDRA_NODE_FIX
-
-
-def check_hydra_node(hydra_node: Mapping, trusted: Iterable[str]) -> None:
-    """Hydra's node as composed from every config file and override, unresolved: whatever
-    Hydra will instantiate, call or import from it must be allowed."""
-    for path, value in iter_leaves(hydra_node, "hydra"):
-        if not matches_prefix(path, HYDRA_CODE_NODES):
-            continue
-        problem = hydra_leaf_problem(path, value, trusted)
-        if problem:
-            raise ConfigError(problem)
-
-
-def hydra_leaf_problem(path: str, value: Any, trusted: Iterable[str]) -> str | None:
-    key = path.rsplit(".", 1)[-1]
-    text = value if isinstance(value, str) else ""
-    if key in HYDRA_CALLABLE_KEYS and value is not None:
-        if "${" in text:
-            return f"{path}={value}: an interpolation cannot name what Hydra calls"
-        problem = hydra_target_problem(value, trusted)
-        return f"{path}={value} {problem}" if problem else None
-    if text.startswith("ext://") and text not in LOGGING_STREAMS:
-        return f"{path}={value} would import a module: use {' or '.join(LOGGING_STREAMS)}"
-    if key == "filename" and (not text.startswith(LOG_FILE_PREFIX) or ".." in text):
-        return f"{path}={value}: a log file must lie in the run dir ({LOG_FILE_PREFIX}<name>)"
-    return None
-
-
 def check_targets(
     cfg: DictConfig | Mapping, shipped: Iterable[str] = (), by_import: bool = False
 ) -> None:
@@ -420,171 +325,3 @@ def iter_leaves(node: Any, path: str = "", skip: Iterable[str] = ()) -> Iterator
         except Exception:  # noqa: BLE001 (OmegaConf raises several kinds here)
             continue
         yield from iter_leaves(child, child_path, skip)
-
-
-# --- the command line -----------------------------------------------------------------------
-def parse_overrides(lines: list[str]) -> list[Any]:
-    """Hydra's own override parser; [] for what Hydra will refuse itself, before running."""
-    try:
-        return OverridesParser.create().parse_overrides(lines)
-    except Exception:  # noqa: BLE001 (the override grammar: Hydra reports it)
-        return []
-
-
-def _raising_parser() -> argparse.ArgumentParser:
-    """Hydra's parser, raising ValueError where argparse would print its usage text and exit:
-    the caller decides what a refusal means."""
-    parser = get_args_parser()
-
-    def refuse(message: str) -> NoReturn:
-        raise ValueError(message)
-
-    parser.error = refuse  # type: ignore[method-assign]
-    return parser
-
-
-def parsed_arguments(argv: list[str]) -> argparse.Namespace | None:
-    """Hydra's own parsing of argv; None for arguments Hydra refuses itself, running nothing."""
-    parser = _raising_parser()
-    try:
-        return parser.parse_args(argv)
-    except ValueError:  # Hydra reports it and stops before running anything
-        return None
-
-
-def argument_mistake(argv: list[str]) -> str | None:
-    """Why Hydra's parser refuses argv, as one line with the fix (argparse prints its whole
-    usage text), or None where it parses: a flag it does not have, an override after a flag
-    that follows other overrides (argparse takes one run of them), a flag's value it does not
-    take."""
-    parser = _raising_parser()
-    try:
-        args, extra = parser.parse_known_args(argv)
-    except ValueError as refused:  # a flag's value: argparse's line names the flag and choices
-        return f"{refused}: train --help lists the flags"
-    if args.shell_completion and (mistake := shell_completion_mistake(args.overrides)):
-        return mistake
-    unknown = [arg for arg in extra if arg.startswith("-")]
-    if unknown:
-        flags = [flag for action in parser._actions for flag in action.option_strings]
-        near = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1)
-        hint = f"did you mean {near[0]}?" if near else "train --help lists them"
-        return f"{unknown[0]} is not a flag of train: {hint}"
-    if extra:
-        return (
-            f"{extra[0]} comes after a flag that follows other overrides: put the flags "
-            "(-m, --cfg job, ...) before every override"
-        )
-    return None
-
-
-def shell_completion_mistake(arguments: list[str]) -> str | None:
-    """Why Hydra's `--shell-completion` would raise a traceback for its arguments (it reads
-    them as install=, uninstall= or query= naming a shell, not as overrides), or None."""
-    usage = "--shell-completion takes one of install=SHELL, uninstall=SHELL or query=SHELL"
-    asked = [arg.split("=", 1) for arg in arguments if arg.split("=")[0] in _SUBCOMMANDS]
-    if len(asked) != 1 or len(asked[0]) != 2:
-        return f"{usage}, e.g. train --shell-completion install=bash"
-    plugins = Plugins.instance().discover(CompletionPlugin)
-    shells = sorted(p.provides() for p in plugins if issubclass(p, CompletionPlugin))
-    subcommand, shell = asked[0]
-    if shell in shells:
-        return None
-    near = difflib.get_close_matches(shell, shells, n=1)
-    hint = f"did you mean {subcommand}={near[0]}?" if near else f"SHELL is one of {shells}"
-    return f"--shell-completion {subcommand}={shell}: no completion for that shell: {hint}"
-
-
-_SUBCOMMANDS = ("install", "uninstall", "query")
-
-
-def parse_command_line(argv: list[str]) -> tuple[list[Any], str | None]:
-    """Hydra's own parsing of argv: (overrides, --experimental-rerun file)."""
-    args = parsed_arguments(argv)
-    if args is None:
-        return [], None
-    return parse_overrides(args.overrides), args.experimental_rerun
-
-
-def override_leaves(override: Any) -> Iterator[tuple[str, Any]]:
-    """(path, value) for every value an override can set, sweep choices and dicts included.
-    Group selections (`hydra/launcher=submitit_slurm`) pick config files and yield nothing."""
-    key = override.key_or_group
-    if "/" in key or override.package is not None:
-        return
-    value = override.value()
-    if isinstance(value, ChoiceSweep):
-        values = value.list
-    elif isinstance(value, Glob):
-        values = [*value.include, *value.exclude]
-    elif isinstance(value, RangeSweep | IntervalSweep):
-        values = []  # numbers
-    else:
-        values = [value]
-    yield key, None  # the key itself, for rules on whole subtrees (also deletions)
-    for item in values:
-        yield from iter_leaves(item, key)
-
-
-def command_line_problem(path: str, value: Any) -> str | None:
-    """Why setting `path` to `value` from the command line is refused, or None."""
-    if matches_prefix(path, ["allowed_targets"]):
-        return f"{path} cannot be set on the command line: list your own modules in a config file"
-    if not matches_prefix(path, ["hydra"]):
-        return None
-    holds_callback = path in ("hydra", "hydra.callbacks") or matches_prefix(
-        path, [VALIDATE_CALLBACK]
-    )
-    if holds_callback and path != f"{VALIDATE_CALLBACK}.output_subdir":
-        return f"{path} cannot be changed on the command line: it holds {VALIDATE_CALLBACK}"
-    if path == "hydra.output_subdir" and value is not None:
-        return (
-            f"hydra.output_subdir={value} would make Hydra write its unredacted records: use "
-            f"{VALIDATE_CALLBACK}.output_subdir={value} (the redacted copy) instead"
-        )
-    if value is None:
-        return None
-    if matches_prefix(path, HYDRA_CODE_NODES) and isinstance(value, str) and "${" in value:
-        return f"{path}={value}: interpolations are not allowed here on the command line"
-    if path.rsplit(".", 1)[-1] in HYDRA_CALLABLE_KEYS:
-        problem = hydra_target_problem(value)
-        if problem:
-            return f"{path}={value} {problem}"
-    return None
-
-
-def sweeper_param_overrides(override: Any) -> list[str]:
-    """hydra.sweeper.params maps override keys to values the sweeper applies to every job:
-    those overrides, as the sweeper writes them (`f"{key}={value}"`)."""
-    key, value, params = override.key_or_group, override.value(), "hydra.sweeper.params"
-    if key == params and isinstance(value, dict):
-        return [f"{name}={item}" for name, item in value.items()]
-    if matches_prefix(key, [params]) and key != params and value is not None:
-        return [f"{key[len(params) + 1 :]}={value}"]
-    return []
-
-
-def check_command_line(argv: list[str]) -> None:
-    """Refuse overrides that would run code Hydra instantiates before our callback runs, that
-    change the allowlist, or that set a key of Hydra's node off the positive list
-    (core/hydra_settings.py). Raises ConfigError naming the override and the fix."""
-    mistake = argument_mistake(argv)
-    if mistake is not None:
-        raise ConfigError(mistake)
-    overrides, rerun = parse_command_line(argv)
-    if rerun is not None:
-        raise ConfigError("--experimental-rerun loads a pickle, which can run any code: refused")
-    pending, keys = list(overrides), []
-    while pending:
-        override = pending.pop(0)
-        for path, value in override_leaves(override):
-            problem = command_line_problem(path, value)
-            if problem:
-                raise ConfigError(problem)
-            keys.append(path)
-        pending += parse_overrides(sweeper_param_overrides(override))
-    for path in keys:  # (after the checks above, whose messages name the code)
-        if path == "hydra.output_subdir":  # null only, which it is (command_line_problem)
-            continue
-        if matches_prefix(path, ["hydra"]) and not settable(path):
-            raise ConfigError(refusal(path))

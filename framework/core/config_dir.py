@@ -15,3 +15,6 @@ def _conf_dir() -> Path:
 
 
 CONF_DIR = _conf_dir()
+# Where Hydra's search path is made from: the module that runs the app (its primary config dir is
+# CONF_DIR, given by path).
+APP_FILE = Path(__file__).resolve().parents[1] / "train.py"

@@ -1,7 +1,7 @@
 """A callable's keyword parameters and their annotations, read from its module's source without
 importing it.
 
-An option's keys are typed by the signature of its `_target_` (option_keys.py), and a config
+An option's keys are typed by the signature of its `_target_` (config/keys.py), and a config
 mistake must be refused before the training stack is imported: importing `torch.optim` to read
 SGD's signature costs seconds, parsing the few files that lead to it costs milliseconds. So the
 module is found the way the import system would find it (`importlib.machinery.PathFinder`, which

@@ -10,6 +10,9 @@
 | a command a user typed                  | local, 1 rank     | this process is the rank           |
 | a command a user typed                  | local, N ranks    | forked from the fork server        |
 
+Before any rank starts, the run's parts are tried once (launch/trial.py): in this process
+where it is a rank itself, else in a process forked from the fork server.
+
 The process that launches ranks never imports the training stack (torch._dynamo and the rest):
 its ranks get it from the fork server. Where this process is a rank itself, it imports it then,
 and the launchers (torch.distributed) are imported only once the config is accepted: a
@@ -24,8 +27,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from framework.config.validation import world_sizes
 from framework.core import launch_context
 from framework.core.launch_context import DistEnv, LaunchContext
+from framework.launch.trial import try_here, try_in_a_fork
 from framework.storage.run_dir import RunDir
 
 SUBMITIT_LAUNCHERS = ("slurm", "slurm_local")
@@ -77,14 +82,17 @@ def start(how: Start, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
         return external_rank(cfg, run_dir)
     if how is Start.IN_PROCESS:
+        try_here(cfg, world_size=1)
         from framework.launch.rank_entry import enter_rank  # a rank, as above
 
         return enter_rank(cfg, run_dir, DistEnv(), own_process=False)
     if how is Start.TORCHRUN_AGENT:
+        try_in_a_fork(cfg, min(world_sizes(cfg)[0]))  # (an elastic range: its fewest)
         from framework.launch.torchrun.agent import launch_elastic  # torch.distributed, as above
 
         launch_elastic(cfg, run_dir)
     else:
+        try_in_a_fork(cfg, cfg.launcher.nproc_per_node)
         from framework.launch.local.launcher import launch_local  # torch.distributed, as above
 
         launch_local(cfg, run_dir, cfg.launcher.nproc_per_node)

@@ -155,7 +155,7 @@ def build_data(
     with settings_refused("data", data):
         splits = load_splits(data)  # the loaders' collate_fn is built below
     collate_node = data.get("collate_fn")
-    collate_fn = _built("data.collate_fn", collate_node) if collate_node is not None else None
+    collate_fn = built("data.collate_fn", collate_node) if collate_node is not None else None
     if len(splits.val) == 0:  # evaluation would fail at its first batch, after training
         raise ConfigError(
             f"data: the validation split of {data._target_} is empty: give it samples "
@@ -188,7 +188,7 @@ def build_model(
     with settings_refused("strategy", strategy_cfg):
         strategy = instantiate(strategy_cfg)
     log.info("Instantiating model <%s>", model_cfg._target_)
-    module, recipe = strategy.build(lambda: _built("model", model_cfg), env)
+    module, recipe = strategy.build(lambda: built("model", model_cfg), env)
     if trainer.sync_batchnorm and env.distributed:
         if device.type != "cuda":
             raise ConfigError(
@@ -248,8 +248,8 @@ def settings_refused(path: str, node: DictConfig) -> Iterator[None]:
     """A component whose constructor refuses its settings is a config mistake, as if a rule had
     caught it before start-up: one line naming the option, what it was given, the error and
     the line of code that raised it (every rank raises alike; nothing was trained, so the run
-    dir goes). Shipped components have their rules (config/value_rules.py); this is what a
-    project's own components get."""
+    dir goes). The trial (rank/preflight.py) meets it before any rank starts; a rank, where
+    only its device differs."""
     try:
         yield
     except ConfigError:
@@ -266,7 +266,8 @@ def settings_refused(path: str, node: DictConfig) -> Iterator[None]:
         ) from None
 
 
-def _built(path: str, node: DictConfig) -> Any:
+def built(path: str, node: DictConfig) -> Any:
+    """The option at `path` instantiated, its constructor's refusal one line."""
     with settings_refused(path, node):
         return instantiate(node)
 

@@ -307,9 +307,9 @@ def test_bring_your_own_model_and_dataset_through_target(cli, tmp_path):
 
 
 def test_a_constructor_that_refuses_its_settings_is_one_line_naming_where(cli, tmp_path):
-    """What no rule knows before start-up (a project's own model, a torch optimizer's own
-    check): the constructor's error, as the one line the command prints (said by every rank),
-    exit 2, no run dir."""
+    """What no rule knows before torch (a project's own model's own check): the constructor's
+    error, met by the trial before any rank starts (framework/rank/preflight.py, in a process
+    forked from the fork server), as the one line the command prints, exit 2, no run dir."""
     byo = Path(__file__).parent / "byo"
     result = cli(
         f"hydra.searchpath=[file://{byo}]",

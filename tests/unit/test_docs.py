@@ -6,10 +6,11 @@ A command line runs the app: `uv run train ARGS`, `train ARGS`, `python -m frame
 framework.train). They are found in the shell blocks of a page (`\\` continuations joined,
 `# comments` dropped, a leading `$ ` of a transcript dropped) and in its inline code
 (`uv run train --cfg job`); leading `NAME=value` environment assignments are applied. Each is
-checked as `train` checks it before training, without training: `check_command_line`, Hydra's
-own argument parser, composition in the run mode Hydra picks (a `-m` sweep: each value of each
-sweep), and `validate()` (except where a value names the reader's own files, `data.root`,
-`checkpoint.resume`, which validate() would look for).
+checked as `train` checks it before training, without training (framework/train.py's `checked`:
+the command line read, the config composed in the run mode Hydra picks, every job of a sweep,
+and checked), and each job of a sweep as the job checks it (`validate()`); where a value names
+the reader's own files (`data.root`, `checkpoint.resume`, which validate() would look for),
+only the keys are checked.
 
 An HTML comment on the line before a block changes how its commands are checked:
 
@@ -25,7 +26,6 @@ search path of its page's commands, so a page's example files compose with its c
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import shlex
@@ -36,19 +36,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import initialize_config_dir
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep, OverrideType
-from hydra.types import RunMode
-from omegaconf import OmegaConf
 
-from framework.config import CONF_DIR, validate
-from framework.config.redaction import hide_command_line_secrets
+from framework.app.command_line import read_command_line
+from framework.app.composition import OnceLoader, compose, search_path
+from framework.config import validate
 from framework.config.registry import register_configs
-from framework.core.allowlist import check_command_line
+from framework.config.validation import check_keys
+from framework.train import check_sweep_job, checked
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -254,29 +251,16 @@ def sweep(overrides: list[str]) -> Sweep:
 
 
 def compose_as_train(argv: list[str], check: bool) -> None:
-    """What `train ARGS` does before it trains: raises what it would refuse."""
-    check_command_line(argv)
-    args = get_args_parser().parse_args(argv)
-    hydra = GlobalHydra.instance().hydra
-    assert hydra is not None
-    overrides = list(args.overrides)
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    # Hydra's choice of mode: -m, else hydra.mode from the config (launcher=slurm sets MULTIRUN).
-    # Without a sweep override both compose a job alike: one composition is enough.
-    mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
-    if mode == RunMode.RUN and args.cfg is None and any(o.is_sweep_override() for o in parsed):
-        mode = hydra.get_mode(config_name="config", overrides=overrides) or RunMode.RUN
-    ConfigLoaderImpl.validate_sweep_overrides_legal(parsed, run_mode=mode, from_shell=True)
-    jobs = sweep(overrides) if mode == RunMode.MULTIRUN else Sweep([overrides], [])
-    for job in jobs.jobs:
-        cfg = hydra.compose_config("config", job, run_mode=RunMode.RUN, from_shell=True)
-        if check:
-            validate(cfg)
-    for key, value in jobs.values:
-        variant = copy.deepcopy(cfg)
-        OmegaConf.update(variant, key, value, merge=True)  # a typed key refuses a wrong type
-        if check:
-            validate(variant)
+    """What `train ARGS` does before it trains, and what each job of a sweep checks first:
+    raises what it would refuse."""
+    if check:
+        _, hydra, _ = checked(argv)
+        for job in hydra.config_loader.composed_jobs():
+            validate(job)
+        return
+    command = read_command_line(argv, os.environ)
+    composition = compose(command, OnceLoader(search_path(command.args), check_sweep_job))
+    check_keys(composition.cfg)
 
 
 @contextmanager
@@ -292,14 +276,9 @@ def environment(changes: dict[str, str]) -> Iterator[None]:
 
 def outcome(command: Command) -> str | None:
     """None if the command does what its page says, else what went wrong."""
-    # As train does: secrets typed on the command line move into environment variables.
-    argv = hide_command_line_secrets(command.argv, os.environ)
-    check = not any(a.startswith(READERS_FILES) for a in argv)
+    check = not any(a.startswith(READERS_FILES) for a in command.argv)
     try:
-        # Search path plugins (FRAMEWORK_CONFIG_PATH) are read when Hydra initialises.
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose_as_train(argv, check)
+        compose_as_train(command.argv, check)
     except Exception as error:  # noqa: BLE001 (what train would refuse, with exit code 2)
         if command.refused_with is None:
             return f"{type(error).__name__}: {error}"

@@ -45,5 +45,5 @@ def test_a_capped_validation_sees_only_the_first_batches():
 def test_eval_batches_is_off_by_default_and_a_positive_count():
     assert make_cfg().trainer.eval_batches is None
     validate(make_cfg("trainer.eval_batches=3"))
-    with pytest.raises(ConfigError, match=r"trainer.eval_batches=0 is invalid: use >= 1, or null"):
+    with pytest.raises(ConfigError, match=r"trainer.eval_batches=0 must be >= 1"):
         validate(make_cfg("trainer.eval_batches=0"))

@@ -1,5 +1,5 @@
-"""Hydra's own node is closed as a class (framework/core/hydra_settings.py,
-framework/app/hydra_reference.py): every key keeps what the framework ships except a short
+"""Hydra's own node is closed as a class (framework/app/hydra_node.py,
+framework/app/shipped_node.py): every key keeps what the framework ships except a short
 positive list, whichever door a config uses (a file, an override, an interpolation, a sweep
 parameter, the run mode), and the listed keys are judged resolved."""
 
@@ -11,14 +11,16 @@ from typing import Any
 
 import pytest
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from framework.app.hydra_node_check import check_composed_hydra_node, run_mode, search_path
-from framework.app.hydra_reference import shipped_node
+from framework.app.command_line import read_command_line
+from framework.app.composition import OnceLoader, compose, search_path
+from framework.app.hydra_node import check_hydra_node, settable
+from framework.app.shipped_node import shipped_node
 from framework.config.registry import register_configs
-from framework.core.allowlist import check_command_line, parsed_arguments
 from framework.core.exits import ConfigError
-from framework.core.hydra_settings import settable
+from framework.train import check_sweep_job, checked
 
 REFUSED = "Hydra's node keeps what the framework ships"
 
@@ -39,8 +41,7 @@ def refusal(argv: list[str]) -> str:
     """What `train argv` refuses before Hydra starts (the command line, then the composed
     node), as one message."""
     with pytest.raises(ConfigError) as error:
-        check_command_line(argv)
-        check_composed_hydra_node(argv, app=True)
+        checked(argv)
     return str(error.value)
 
 
@@ -128,8 +129,7 @@ def test_a_mode_that_cannot_be_read_is_unset_as_hydra_reads_it(tmp_path, monkeyp
     the config is checked (and runs) as a plain run or sweep."""
     monkeypatch.delenv("NO_SUCH_MODE", raising=False)
     argv = experiment(tmp_path, "hydra:\n  mode: ${oc.env:NO_SUCH_MODE}\n", "mine")
-    check_command_line([*sweep, *argv])
-    check_composed_hydra_node([*sweep, *argv], app=True)
+    checked([*sweep, *argv])
 
 
 def test_a_hydra_group_left_missing_in_a_sweep_is_named(tmp_path):
@@ -161,13 +161,12 @@ def test_env_set_may_not_move_files_or_load_code(tmp_path, variable):
 
 
 def test_env_set_of_a_harmless_variable_passes():
-    check_command_line(["+hydra.job.env_set.OMP_NUM_THREADS=1"])
-    check_composed_hydra_node(["+hydra.job.env_set.OMP_NUM_THREADS=1"], app=True)
+    checked(["+hydra.job.env_set.OMP_NUM_THREADS=1"])
 
 
 @pytest.mark.parametrize("subdir", ["../../mine", "/tmp/mine", "..", "a/../../b"])
 def test_the_records_folder_stays_in_the_run_dir(subdir):
-    argv = [f"hydra.callbacks.validate.output_subdir={subdir}"]
+    argv = [f"hydra.callbacks.run_dir.output_subdir={subdir}"]
     assert "must be a folder name inside the run dir" in refusal(argv)
 
 
@@ -208,19 +207,18 @@ def test_a_config_file_cannot_write_hydras_record_of_the_overrides(tmp_path):
         ["launcher=slurm", "+hydra.launcher.additional_parameters.mail-type=END"],
         ["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0"],
         ["hydra/job_logging=default"],
-        ["hydra.callbacks.validate.output_subdir=record"],
+        ["hydra.callbacks.run_dir.output_subdir=record"],
         ["+hydra.callbacks.log._target_=hydra.experimental.callbacks.LogJobReturnCallback"],
         ["experiment=char_gpt"],
     ],
 )
 def test_the_settable_keys_and_shipped_options_pass(argv):
-    check_command_line(argv)
-    check_composed_hydra_node(argv)
+    checked(argv)
 
 
 def test_a_run_dir_from_a_file_with_an_interpolation_passes(tmp_path):
     body = "hydra:\n  run:\n    dir: outputs/${optimizer.lr}/${now:%H}\n"
-    check_composed_hydra_node(experiment(tmp_path, body, "mine"))
+    checked(experiment(tmp_path, body, "mine"))
 
 
 @pytest.fixture
@@ -238,18 +236,17 @@ def compositions(monkeypatch) -> list[tuple]:
 
 
 def test_a_bad_node_in_a_file_is_refused_after_one_composition(tmp_path, compositions):
-    """A refused node costs one composition (0.2 s), not the three a passing check makes: the
-    composition that finds the run mode is checked too, and the shipped node it is compared
-    with is the one every run with the same shipped options shares."""
-    check_composed_hydra_node(experiment(tmp_path / "fine", "optimizer:\n  lr: 0.5\n", "fine"))
+    """A refused node costs one composition (0.2 s): the shipped node it is compared with is the
+    one every run with the same shipped options shares."""
+    checked(experiment(tmp_path / "fine", "optimizer:\n  lr: 0.5\n", "fine"))
     compositions.clear()
     message = refusal(experiment(tmp_path / "evil", "hydra:\n  job:\n    chdir: true\n"))
     assert "hydra.job.chdir" in message and len(compositions) == 1
 
 
 def test_a_mistake_in_the_apps_keys_is_refused_after_one_composition(compositions):
-    """The composition that finds the run mode is validated before anything else: a typo is
-    refused before the shipped node and the run's own composition are composed."""
+    """The run's composition is validated before its node is compared with the shipped one: a
+    typo is refused before the shipped node is composed."""
     message = refusal(["data.standardise=true"])
     assert message.startswith("data.standardise is not a setting of") and len(compositions) == 1
 
@@ -258,9 +255,8 @@ def test_a_composition_hydra_refuses_is_refused_with_hydras_message_before_hydra
     monkeypatch, compositions
 ):
     """The composition the check makes is Hydra's own: its error, in Hydra's words, needs no
-    start of Hydra and no second composition (a single run's first one, which finds the run
-    mode, fails the same way). HYDRA_FULL_ERROR=1 leaves it to Hydra, which then shows its
-    traceback."""
+    start of Hydra and no second composition. HYDRA_FULL_ERROR=1 leaves it to Hydra, which then
+    shows its traceback."""
     message = refusal(["data.batch_size=abc"])
     assert message == (
         "Error merging override data.batch_size=abc: "
@@ -268,22 +264,30 @@ def test_a_composition_hydra_refuses_is_refused_with_hydras_message_before_hydra
     )
     assert len(compositions) == 1
     sweep = refusal(["-m", "data.batch_size=abc"])  # a sweep: at its master composition
-    assert sweep == message and len(compositions) == 3
+    assert sweep == message and len(compositions) == 2
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    assert check_composed_hydra_node(["data.batch_size=abc"], app=True) is None
+    with pytest.raises(ConfigCompositionException):
+        checked(["data.batch_size=abc"])
 
 
 @pytest.mark.parametrize(
     "argv",
     [
         ["-m", "optimizer=sgd,adamw", "optimizer.lr=0.1"],
-        ["-m", "optimizer=sgd,adamw", "optimizer.momentum=0.8"],  # AdamW's job fails alone
         ["-m", "optimizer.lr=0.1,0.05", "data.split_seed=${hydra:job.num}"],  # set in the job
+        ["-m", "data.batch_size=32,24", "trainer.global_batch_size=64"],  # 24's job fails alone
     ],
 )
-def test_a_sweep_whose_jobs_are_not_all_mistaken_is_not_refused_whole(argv):
-    check_command_line(argv)
-    check_composed_hydra_node(argv, app=True)
+def test_a_sweep_whose_keys_every_job_takes_passes_its_check(argv):
+    checked(argv)
+
+
+def test_a_key_one_jobs_option_does_not_take_refuses_the_sweep_before_its_first_job():
+    """Every job is composed and its keys, types and bounds checked before the sweep starts:
+    a sweep would otherwise half-run (AdamW takes no momentum)."""
+    message = refusal(["-m", "optimizer=sgd,adamw", "optimizer.momentum=0.8"])
+    assert message.startswith("optimizer.momentum is not a setting of torch.optim.AdamW")
+    assert refusal(["-m", "optimizer.lr=0.1,-1"]) == "optimizer.lr=-1.0 must be > 0"
 
 
 def test_a_key_of_a_group_left_unpicked_is_refused_naming_the_group(tmp_path):
@@ -331,9 +335,9 @@ def shipped_leaves() -> list[tuple[list[str], str, Any]]:
             found.setdefault(path, (context, typed))
 
     for context in CONTEXTS:
-        args = parsed_arguments(context)
-        loader = ConfigLoaderImpl(config_search_path=search_path(args))
-        cfg = loader.load_configuration("config", context, run_mode=run_mode(loader, args)[0])
+        command = read_command_line(context, {})
+        loader = OnceLoader(search_path(command.args), lambda cfg, overrides: None)
+        cfg = compose(command, loader).cfg
         walk(shipped_node(dict(cfg.hydra.runtime.choices)), "hydra", context, cfg)
     return [(context, path, value) for path, (context, value) in found.items()]
 
@@ -414,10 +418,12 @@ def doors(root: Path, context: list[str], path: str, value: Any) -> dict[str, li
 
 
 def refusal_or_none(argv: list[str]) -> str | None:
-    """The one-line refusal of `train argv` before Hydra starts, or None if it passes."""
+    """The one-line refusal of `train argv`'s Hydra node (the command line, then the composed
+    node: the node's own check, alone), or None if it passes."""
     try:
-        check_command_line(argv)
-        check_composed_hydra_node(argv)
+        command = read_command_line(argv, {})
+        composition = compose(command, OnceLoader(search_path(command.args), check_sweep_job))
+        check_hydra_node(composition.cfg, composition.overrides)
     except ConfigError as error:
         return str(error)
     return None
@@ -443,13 +449,13 @@ def test_the_generator_covers_the_code_nodes():
     paths = [path for _, path, _ in LEAVES]
     for prefix in ("hydra.job_logging", "hydra.hydra_logging", "hydra.launcher", "hydra.sweeper"):
         assert any(path.startswith(prefix) for path in paths), prefix
-    assert "hydra.callbacks.validate._target_" in paths
+    assert "hydra.callbacks.run_dir._target_" in paths
     assert "hydra.job.env_set" not in paths and re.search("env_copy", " ".join(paths))
 
 
 def test_cfg_job_is_printed_from_the_composition_the_checks_made(cli, compositions, tmp_path):
-    """Hydra's own --cfg (here by `-p _global_`, the whole config) composes the config once
-    more after its start-up; `train --cfg job` prints the same bytes without it."""
+    """`train --cfg job` prints the composition its checks made, the same bytes as Hydra's own
+    --cfg (here by `-p _global_`, the whole config), which gets that composition too."""
     printed, made = {}, {}
     for way in ("hydras", "ours", "hydras", "ours"):  # the second of each: nothing left to cache
         compositions.clear()
@@ -459,4 +465,4 @@ def test_cfg_job_is_printed_from_the_composition_the_checks_made(cli, compositio
     assert printed["ours"].returncode == printed["hydras"].returncode == 0
     assert printed["ours"].stdout == printed["hydras"].stdout
     assert "launcher:" in printed["ours"].stdout
-    assert made["ours"] == made["hydras"] - 1, made
+    assert made["ours"] == 1, made

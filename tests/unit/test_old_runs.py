@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from framework.app.command_line import argument_mistake, read_command_line
 from framework.config.redaction import redacted_container
 from framework.config.resume_rules import changed_settings, default_value, training_settings
 from framework.storage.checkpoint import settings_differences, settings_hash
@@ -75,30 +76,25 @@ def test_a_shipped_options_value_is_its_default():
 def test_a_resume_takes_the_runs_settings_but_not_how_its_ranks_started(tmp_path):
     """A node joining another node's job names the same run dir: it must not take that node's
     launcher (rdzv_host=true would make it host a second store), dist or hydra settings."""
-    from framework.app.eval_overrides import with_training_overrides
-
     record = tmp_path / ".hydra" / "overrides.yaml"
     record.parent.mkdir()
     record.write_text(
         "- launcher=torchrun\n- launcher.rdzv_host=true\n- dist.timeout_s=10\n"
         "- hydra.job.chdir=false\n- optimizer.lr=0.05\n"
     )
-    argv, found, adopted = with_training_overrides([f"hydra.run.dir={tmp_path}"])
-    assert found == record and adopted == ["optimizer.lr=0.05"]
-    assert argv == ["optimizer.lr=0.05", f"hydra.run.dir={tmp_path}"]
+    command = read_command_line([f"hydra.run.dir={tmp_path}"], {})
+    assert command.record == record and command.adopted == ("optimizer.lr=0.05",)
+    assert command.overrides == ["optimizer.lr=0.05", f"hydra.run.dir={tmp_path}"]
 
 
 def test_the_runs_overrides_go_before_this_commands_overrides_and_after_its_flags(tmp_path):
     """argparse takes the overrides as one run: adopted ones put before a flag (`-cd conf`)
     would make the command one Hydra refuses."""
-    from framework.app.eval_overrides import with_training_overrides
-    from framework.core.allowlist import argument_mistake
-
     record = tmp_path / ".hydra" / "overrides.yaml"
     record.parent.mkdir()
     record.write_text("- optimizer.lr=0.05\n")
-    command = ["-cd", "conf", "--config-name", "config", f"hydra.run.dir={tmp_path}"]
-    argv, _, adopted = with_training_overrides(command)
-    assert adopted == ["optimizer.lr=0.05"]
-    assert argv == [*command[:4], "optimizer.lr=0.05", f"hydra.run.dir={tmp_path}"]
-    assert argument_mistake(argv) is None
+    argv = ["-cd", "conf", "--config-name", "config", f"hydra.run.dir={tmp_path}"]
+    command = read_command_line(argv, {})
+    assert command.adopted == ("optimizer.lr=0.05",)
+    assert command.argv == [*argv[:4], "optimizer.lr=0.05", f"hydra.run.dir={tmp_path}"]
+    assert argument_mistake(command.argv) is None

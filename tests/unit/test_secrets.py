@@ -11,9 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
+from framework.app.command_line import hide_secrets
 from framework.config import CONF_DIR
 from framework.config.redaction import (
-    hide_command_line_secrets,
     redact_multirun_master,
     redacted_container,
 )
@@ -105,9 +105,8 @@ def test_a_url_password_is_a_secret_as_written_and_decoded():
 
 def test_a_swept_secret_moves_to_the_environment_value_by_value():
     environ: dict[str, str] = {}
-    hidden = hide_command_line_secrets(["-m", f"+data.api_token={SECRET},other-secret"], environ)
+    hidden = hide_secrets([f"+data.api_token={SECRET},other-secret"], environ)
     assert hidden == [
-        "-m",
         "+data.api_token=${oc.env:FRAMEWORK_SECRET_DATA_API_TOKEN_0},"
         "${oc.env:FRAMEWORK_SECRET_DATA_API_TOKEN_1}",
     ]

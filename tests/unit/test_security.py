@@ -12,12 +12,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from framework.app.hydra_node_check import check_composed_hydra_node
+from framework.app.command_line import hide_secrets, read_command_line
+from framework.app.hydra_node import hydra_target_problem
 from framework.config import validate
 from framework.config.redaction import (
     REDACTED,
     SecretFilter,
-    hide_command_line_secrets,
     is_secret_name,
     redact,
     redact_multirun_master,
@@ -27,14 +27,13 @@ from framework.config.redaction import (
 )
 from framework.config.registry import register_configs, shipped_targets
 from framework.core.allowlist import (
-    check_command_line,
-    check_hydra_node,
     check_targets,
     matches_prefix,
     target_problem,
     trusted_prefixes,
 )
 from framework.core.exits import ConfigError
+from framework.train import checked
 from tests.conftest import CONF_DIR, REPO, make_cfg
 
 SECRET = "PLANTED-SECRET-123"
@@ -180,7 +179,7 @@ def test_allowed_targets_that_cannot_be_resolved_is_one_refusal(tmp_path, monkey
         "# @package _global_\nallowed_targets: ${oc.env:NO_SUCH_TARGETS}\n",
     )
     with pytest.raises(ConfigError, match="allowed_targets cannot be resolved"):
-        check_composed_hydra_node([*sweep, "-cd", str(tmp_path), "experiment=mine"], app=True)
+        checked([*sweep, "-cd", str(tmp_path), "experiment=mine"])
 
 
 def test_benchmarks_cannot_be_trusted_to_start_a_subprocess(tmp_path, monkeypatch):
@@ -191,7 +190,7 @@ def test_benchmarks_cannot_be_trusted_to_start_a_subprocess(tmp_path, monkeypatc
         "    _target_: benchmarks.comm.sh\n",
     )
     with pytest.raises(ConfigError, match="allowed_targets entry 'benchmarks' is refused"):
-        check_composed_hydra_node(["-cd", str(tmp_path), "experiment=bench"], app=True)
+        checked(["-cd", str(tmp_path), "experiment=bench"])
 
 
 def test_the_environment_may_trust_this_checkouts_tests(monkeypatch):
@@ -294,7 +293,7 @@ REFUSED = [
     (
         [
             "-m",
-            "+hydra.callbacks.e._target_=choice(framework.app.validate_callback.ValidateBeforeRun,os.system)",
+            "+hydra.callbacks.e._target_=choice(framework.app.run_dir_callback.RunDirCallback,os.system)",
         ],
         "_target_=os.system",
     ),
@@ -319,12 +318,12 @@ REFUSED = [
     ),
     (["allowed_targets=[builtins]"], "allowed_targets cannot be set on the command line"),
     (["+allowed_targets=[os]"], "allowed_targets cannot be set on the command line"),
-    (["~hydra.callbacks.validate"], "hydra.callbacks.validate cannot be changed"),
+    (["~hydra.callbacks.run_dir"], "hydra.callbacks.run_dir cannot be changed"),
     (
-        ["hydra.callbacks.validate._target_=hydra.experimental.callback.Callback"],
-        "hydra.callbacks.validate._target_ cannot be changed",
+        ["hydra.callbacks.run_dir._target_=hydra.experimental.callback.Callback"],
+        "hydra.callbacks.run_dir._target_ cannot be changed",
     ),
-    (["hydra.output_subdir=.hydra"], "hydra.callbacks.validate.output_subdir=.hydra"),
+    (["hydra.output_subdir=.hydra"], "hydra.callbacks.run_dir.output_subdir=.hydra"),
     (["+hydra.job.env_set.LD_PRELOAD=/tmp/x.so"], "LD_PRELOAD cannot be set"),
     (["--experimental-rerun", "config.pickle"], "loads a pickle"),
 ]
@@ -333,7 +332,7 @@ REFUSED = [
 @pytest.mark.parametrize(("argv", "expected"), REFUSED, ids=lambda v: str(v))
 def test_the_command_line_cannot_reach_code_through_hydras_node(argv, expected):
     with pytest.raises(ConfigError) as error:
-        check_command_line(argv)
+        read_command_line(argv, {})
     assert expected in str(error.value)
 
 
@@ -343,14 +342,14 @@ def test_the_command_line_cannot_reach_code_through_hydras_node(argv, expected):
         ["-m", "hydra/launcher=submitit_slurm", "optimizer.lr=0.1,0.05"],
         ["model=resnet18", "+model.x._target_=torchvision.models.resnet18"],  # app: checked later
         ["+hydra.callbacks.log._target_=hydra.experimental.callbacks.LogJobReturnCallback"],
-        ["hydra.output_subdir=null", "hydra.callbacks.validate.output_subdir=record"],
+        ["hydra.output_subdir=null", "hydra.callbacks.run_dir.output_subdir=record"],
         ["+hydra.job.env_set.CUDA_VISIBLE_DEVICES=0", "hydra.run.dir=/tmp/x"],
         ["--cfg", "job", "trainer.max_steps=3"],
-        ["not a valid override ((("],  # Hydra reports it itself, running nothing
+        ["not a valid override ((("],  # refused as it is composed, in Hydra's words
     ],
 )
 def test_ordinary_command_lines_pass(argv):
-    check_command_line(argv)
+    read_command_line(argv, {})
 
 
 # --- Hydra's node, composed from the config files ---------------------------------------------
@@ -390,14 +389,14 @@ def test_the_optuna_sweepers_function_is_checked(tmp_path):
     )
     argv = ["-cd", str(tmp_path), "hydra/sweeper=optuna", "experiment=evil"]
     with pytest.raises(ConfigError, match="custom_search_space=os.system is not allowed"):
-        check_composed_hydra_node(argv)
+        checked(argv)
 
 
 @pytest.mark.parametrize(("node", "expected"), HYDRA_NODE_GADGETS, ids=lambda v: str(v)[:40])
 def test_an_experiment_file_cannot_name_code_in_hydras_node(tmp_path, node, expected):
     write_yaml(tmp_path / "experiment" / "evil.yaml", f"# @package _global_\nhydra:\n  {node}\n")
     with pytest.raises(ConfigError, match=re.escape(expected)):
-        check_composed_hydra_node(["-cd", str(tmp_path), "experiment=evil"])
+        checked(["-cd", str(tmp_path), "experiment=evil"])
 
 
 def test_a_swept_experiment_is_checked_job_by_job(tmp_path):
@@ -410,7 +409,7 @@ def test_a_swept_experiment_is_checked_job_by_job(tmp_path):
         "        (): shutil.copy\n",
     )
     with pytest.raises(ConfigError, match=r"hydra.job_logging.handlers.e.\(\)=shutil.copy"):
-        check_composed_hydra_node(["-cd", str(tmp_path), "-m", "experiment=fine,evil"])
+        checked(["-cd", str(tmp_path), "-m", "experiment=fine,evil"])
 
 
 def test_sweeper_params_in_a_file_are_checked_as_jobs(tmp_path):
@@ -425,7 +424,7 @@ def test_sweeper_params_in_a_file_are_checked_as_jobs(tmp_path):
     )
     write_yaml(tmp_path / "extra" / "none.yaml", "# @package _global_\n{}\n")
     with pytest.raises(ConfigError, match="class=subprocess.Popen"):
-        check_composed_hydra_node(["-cd", str(tmp_path), "-m", "experiment=sweep"])
+        checked(["-cd", str(tmp_path), "-m", "experiment=sweep"])
 
 
 @pytest.mark.parametrize(
@@ -440,7 +439,7 @@ def test_sweeper_params_in_a_file_are_checked_as_jobs(tmp_path):
     ],
 )
 def test_shipped_hydra_nodes_pass(argv):
-    check_composed_hydra_node(argv)
+    checked(argv)
 
 
 def test_your_own_callback_passes_once_its_module_is_trusted(tmp_path):
@@ -449,28 +448,26 @@ def test_your_own_callback_passes_once_its_module_is_trusted(tmp_path):
         "# @package _global_\nallowed_targets: [tests]\nhydra:\n  callbacks:\n    mine:\n"
         "      _target_: hydra.experimental.callbacks.LogJobReturnCallback\n",
     )
-    check_composed_hydra_node(["-cd", str(tmp_path), "experiment=mine"])
-    check_hydra_node({"callbacks": {"x": {"_target_": "tests.faults.FaultyMLP"}}}, ["tests"])
-    with pytest.raises(ConfigError, match="is not allowed here"):
-        check_hydra_node({"callbacks": {"x": {"_target_": "tests.faults.FaultyMLP"}}}, [])
+    checked(["-cd", str(tmp_path), "experiment=mine"])
+    assert hydra_target_problem("tests.faults.FaultyMLP", ["tests"]) is None
+    assert "is not allowed here" in str(hydra_target_problem("tests.faults.FaultyMLP", []))
 
 
 def test_secret_overrides_move_to_the_environment_and_still_resolve(monkeypatch):
     environ = {"WANDB_API_KEY": "PLANTED-SECRET-456"}
-    argv = [
-        "-m",
+    overrides = [
         "+data.api_token=" + SECRET,
         "optimizer.lr=0.1",
         "+logger.note=PLANTED-SECRET-456",
         "+data.password=a1234567,b1234567",
     ]
-    hidden = hide_command_line_secrets(argv, environ)
-    assert hidden[1] == "+data.api_token=${oc.env:FRAMEWORK_SECRET_DATA_API_TOKEN}"
-    assert hidden[3] == "+logger.note=${oc.env:FRAMEWORK_SECRET_LOGGER_NOTE}"  # a known value
-    assert [hidden[i] for i in (0, 2)] == [argv[i] for i in (0, 2)]
+    hidden = hide_secrets(overrides, environ)
+    assert hidden[0] == "+data.api_token=${oc.env:FRAMEWORK_SECRET_DATA_API_TOKEN}"
+    assert hidden[2] == "+logger.note=${oc.env:FRAMEWORK_SECRET_LOGGER_NOTE}"  # a known value
+    assert hidden[1] == overrides[1]
     # A swept secret: each value its own variable (Hydra's "Launching" lines, a job's name and
     # the sweep summary show the references).
-    assert hidden[4] == (
+    assert hidden[3] == (
         "+data.password=${oc.env:FRAMEWORK_SECRET_DATA_PASSWORD_0},"
         "${oc.env:FRAMEWORK_SECRET_DATA_PASSWORD_1}"
     )
@@ -478,13 +475,13 @@ def test_secret_overrides_move_to_the_environment_and_still_resolve(monkeypatch)
     assert environ["FRAMEWORK_SECRET_DATA_API_TOKEN"] == SECRET
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
-    assert make_cfg(hidden[1]).data.api_token == SECRET
+    assert make_cfg(hidden[0]).data.api_token == SECRET
 
 
 def test_group_selections_keep_their_option_name():
     environ: dict[str, str] = {}
     argv = ["db/credentials=prod", "+api_token=abcdefgh"]
-    assert hide_command_line_secrets(argv, environ) == [
+    assert hide_secrets(argv, environ) == [
         "db/credentials=prod",
         "+api_token=${oc.env:FRAMEWORK_SECRET_API_TOKEN}",
     ]
@@ -604,7 +601,7 @@ def compose_with_hydra(*overrides: str):
 def test_hydras_config_leaves_the_record_to_the_callback():
     cfg = compose_with_hydra()
     assert cfg.hydra.output_subdir is None
-    assert cfg.hydra.callbacks.validate.output_subdir == ".hydra"
+    assert cfg.hydra.callbacks.run_dir.output_subdir == ".hydra"
 
 
 def test_the_hydra_record_is_written_redacted(tmp_path, monkeypatch):
@@ -649,6 +646,6 @@ def test_url_passwords_are_redacted_under_any_key(text, expected):
 
 def test_a_url_password_on_the_command_line_moves_to_the_environment():
     environ: dict[str, str] = {}
-    argv = hide_command_line_secrets(["+data.mirror=https://bob:hunter22@example.com"], environ)
+    argv = hide_secrets(["+data.mirror=https://bob:hunter22@example.com"], environ)
     assert argv == ["+data.mirror=${oc.env:FRAMEWORK_SECRET_DATA_MIRROR}"]
     assert environ == {"FRAMEWORK_SECRET_DATA_MIRROR": "https://bob:hunter22@example.com"}

@@ -61,7 +61,7 @@ def test_a_job_whose_summary_was_cut_short_has_no_earlier_row(tmp_path):
 def test_a_sweep_dir_is_reused_only_by_the_same_sweep(tmp_path):
     import pytest
 
-    from framework.app.validate_callback import check_sweep_dir
+    from framework.app.run_dir_callback import check_sweep_dir
     from framework.core.exits import ConfigError
 
     check_sweep_dir(tmp_path / "new", ["optimizer.lr=0.1,0.05"])

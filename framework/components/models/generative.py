@@ -4,10 +4,15 @@ images, and a nanoGPT-style character transformer."""
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge, Interval
 from torch import nn
+
+Size = Annotated[int, Ge(1)]  # a count of features, units, tokens, blocks or heads
+Dropout = Annotated[float, Interval(ge=0, lt=1)]
 
 
 class FeedForward(nn.Module):
@@ -16,10 +21,10 @@ class FeedForward(nn.Module):
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
-        hidden_sizes: list[int],
-        dropout: float,
+        in_features: Size,
+        out_features: Size,
+        hidden_sizes: list[Size],
+        dropout: Dropout,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
@@ -44,10 +49,10 @@ class VAE(nn.Module):
 
     def __init__(
         self,
-        in_channels: int,
-        image_size: int,
-        latent_dim: int,
-        hidden_size: int,
+        in_channels: Size,
+        image_size: Size,
+        latent_dim: Size,
+        hidden_size: Size,
         sample: bool,
     ) -> None:
         super().__init__()
@@ -88,6 +93,12 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, width: int, heads: int, dropout: float) -> None:
         super().__init__()
+        if width % heads:  # each head takes width / heads channels
+            divisors = [n for n in range(1, min(width, 64) + 1) if width % n == 0]
+            raise ValueError(
+                f"heads={heads} does not divide width={width}: pick heads among "
+                f"{', '.join(map(str, divisors))}, or change the width"
+            )
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.mlp = nn.Sequential(
@@ -113,12 +124,12 @@ class GPT(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        block_size: int,
-        layers: int,
-        heads: int,
-        width: int,
-        dropout: float,
+        vocab_size: Size,
+        block_size: Size,
+        layers: Size,
+        heads: Size,
+        width: Size,
+        dropout: Dropout,
     ) -> None:
         super().__init__()
         self.block_size = block_size

@@ -5,14 +5,23 @@ at start-up."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from annotated_types import Ge
 from torch import nn
+
+Size = Annotated[int, Ge(1)]  # a count of channels, pixels, classes or units
 
 
 class MLP(nn.Module):
     """Flatten, then Linear-ReLU blocks. No BatchNorm or dropout: exact DDP parity tests."""
 
     def __init__(
-        self, in_channels: int, image_size: int, num_classes: int, hidden_sizes: list[int]
+        self,
+        in_channels: Size,
+        image_size: Size,
+        num_classes: Size,
+        hidden_sizes: list[Size],
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
@@ -30,7 +39,7 @@ class MLP(nn.Module):
 class SmallCNN(nn.Module):
     """Three 3x3 conv layers and global pooling: works on 8x8 digits and 32x32 CIFAR alike."""
 
-    def __init__(self, in_channels: int, num_classes: int, width: int) -> None:
+    def __init__(self, in_channels: Size, num_classes: Size, width: Size) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1),
@@ -49,7 +58,7 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x))
 
 
-def resnet18_cifar(in_channels: int, num_classes: int) -> nn.Module:
+def resnet18_cifar(in_channels: Size, num_classes: Size) -> nn.Module:
     """torchvision ResNet-18 with the usual 32x32 stem: 3x3 stride-1 conv and no max-pool."""
     import torchvision
 
@@ -59,8 +68,14 @@ def resnet18_cifar(in_channels: int, num_classes: int) -> nn.Module:
     return model
 
 
-def resnet50(in_channels: int, num_classes: int) -> nn.Module:
+def resnet50(in_channels: Size, num_classes: Size, image_size: Size | None) -> nn.Module:
     """torchvision ResNet-50 with its ImageNet stem, for 224x224 inputs (GPU throughput)."""
+    if image_size is not None and image_size < 32:  # it trains, to nonsense
+        raise ValueError(
+            f"ImageNet's stem downsamples 32x, and images of {image_size} pixels leave nothing "
+            "to pool: use model=resnet18 (a 32x32 stem), or images of 32 pixels or more "
+            "(data=synthetic data.image_size=224)"
+        )
     import torchvision
 
     model = torchvision.models.resnet50(weights=None, num_classes=num_classes)

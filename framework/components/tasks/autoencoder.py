@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge
 from torch import nn
 
 from framework.components.tasks.base import (
@@ -44,7 +45,7 @@ class Autoencoder(Task):
         self,
         vae: bool,
         reconstruction: Literal["mse", "bce"],
-        kl_weight: float,
+        kl_weight: Annotated[float, Ge(0)],
     ) -> None:
         self.vae, self.reconstruction, self.kl_weight = vae, reconstruction, kl_weight
         self.logits_loss = "task.reconstruction=bce" if reconstruction == "bce" else None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Interval
 from torch import nn
 
 from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick, state_sum
@@ -25,7 +26,7 @@ class Classification(Task):
 
     def __init__(
         self,
-        label_smoothing: float,
+        label_smoothing: Annotated[float, Interval(ge=0, lt=1)],
         ignore_index: int | None,
     ) -> None:
         self.label_smoothing = label_smoothing

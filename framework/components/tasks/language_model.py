@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge, Gt
 from torch import nn
 
 from framework.components.tasks.base import Count, Task, TaskLoss, mean, pick, state_sum
@@ -31,8 +32,8 @@ class LanguageModel(Task):
     def __init__(
         self,
         ignore_index: int,
-        chars_per_token: float,
-        sample_tokens: int,
+        chars_per_token: Annotated[float, Gt(0)],
+        sample_tokens: Annotated[int, Ge(0)],
     ) -> None:
         self.ignore_index = ignore_index
         self.chars_per_token = chars_per_token
@@ -75,7 +76,11 @@ class LanguageModel(Task):
             not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dim() != 2 for t in tokens
         ):
             raise self.misfit(batch, "inputs and targets must be integer token ids [batch, time]")
-        logits = self.one_tensor(model(inputs), "logits [batch, time, vocabulary]")
+        try:
+            outputs = model(inputs)
+        except Exception as error:  # noqa: BLE001 (any failure on a real batch is a misfit)
+            raise self.failed_on(batch, error, model) from None
+        logits = self.one_tensor(outputs, "logits [batch, time, vocabulary]")
         if logits.dim() != 3 or logits.shape[:2] != targets.shape:
             raise ConfigError(
                 f"task=language_model: the model returns {list(logits.shape)} for tokens "

@@ -25,6 +25,7 @@ from framework.core.exits import (
 )
 from framework.core.launch_context import DistEnv
 from framework.launch.rank_entry import enter_rank, exit_now, report
+from framework.launch.trial import try_here
 from framework.rank.stopping import received_signals
 
 
@@ -57,10 +58,12 @@ def task_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
     submitit's signal goes to submitit to requeue."""
     env = task_env(cfg.launcher)
     if not env.is_main:
+        try_here(cfg, env.world_size)  # (refused alike on rank 0, which says it)
         # Exit 0 after a stop: a non-zero exit could make srun kill rank 0 (KillOnBadExit)
         # before it has saved and requeued. Rank 0 speaks for the job.
         return enter_rank(cfg, run_dir, env, stop_exit_code=0)
     try:
+        try_here(cfg, env.world_size)
         return enter_rank(cfg, run_dir, env, own_process=False)
     except Stopped as stop:
         failure = _requeue_or_exit(stop)

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from framework.core import launch_context
 from framework.core.exits import ExitCode
 from framework.launch.rank_entry import enter_rank
+from framework.launch.trial import try_here
 from framework.storage.run_dir import RunDir, is_throwaway
 
 
@@ -20,8 +21,10 @@ def external_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
         # Rank > 0: Hydra needed a dir; this rank adopts rank 0's. Gone now, so a rank that is
         # killed later leaves nothing behind.
         shutil.rmtree(run_dir, ignore_errors=True)
+    env = launch_context.current().dist_env()
     try:
-        return enter_rank(cfg, run_dir, launch_context.current().dist_env())
+        try_here(cfg, env.world_size)  # every rank, each of its own composition, alike
+        return enter_rank(cfg, run_dir, env)
     except SystemExit as exit_:
         if exit_.code == ExitCode.CONFIG_REJECTED:
             RunDir(run_dir).discard()

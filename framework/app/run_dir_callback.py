@@ -1,5 +1,6 @@
-"""The Hydra callback conf/config.yaml installs: a bad config is rejected before Hydra creates or
-writes any output dir, and Hydra's record of the job is written with secrets redacted."""
+"""The Hydra callback conf/config.yaml installs (hydra.callbacks.run_dir): the run dir is checked
+before Hydra writes anything in it, and Hydra's record of the job is written with secrets
+redacted."""
 
 from __future__ import annotations
 
@@ -8,16 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra._internal.sources_registry import SourcesRegistry
-from hydra.core.object_type import ObjectType
 from hydra.experimental.callback import Callback
-from hydra.plugins.config_source import ConfigSource
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.app.config_search_path import PROJECT_PROVIDER, USER_PROVIDER
-from framework.config import validate
 from framework.config.redaction import redact_multirun_master, write_hydra_record
 from framework.config.validation import joins_other_node, require, spans_nodes
 from framework.core import launch_context
@@ -26,14 +22,18 @@ from framework.launch.slurm.partition import check_cluster
 from framework.storage.run_dir import RunDir, creation_problem
 
 
-class ValidateBeforeRun(Callback):
+class RunDirCallback(Callback):
+    """The run dir (a sweep's dir) before anything is written in it: where it really is, that it
+    can be made, that it holds nothing it must not reuse; then held, and Hydra's record of the
+    job written redacted. The config itself was checked before Hydra started
+    (framework/train.py)."""
+
     def __init__(self, output_subdir: str | None = ".hydra") -> None:
         # Hydra's own hydra.output_subdir stays null: Hydra saves its record before any
         # callback runs, secrets included. This is where the redacted record goes instead.
         self.output_subdir = output_subdir
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._check(config)
         # Judged where it really is (`..` and links resolved), and used as judged.
         run = RunDir(real_path(config.hydra.run.dir))
         try:
@@ -43,13 +43,12 @@ class ValidateBeforeRun(Callback):
                 overrides = list(config.hydra.overrides.task)
                 run.check_reusable(config, sweep_job=False, overrides=overrides)
         except ConfigError as error:
-            end(error)
+            end(error, rank=launch_context.current().global_rank())
         with read_write(config.hydra.run):
             config.hydra.run.dir = str(run.path)
         run.note_missing_folders()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._check(config)
         try:  # before anything is submitted
             sweep_dir = real_path(config.hydra.sweep.dir)
             _check_creatable("hydra.sweep.dir", sweep_dir)
@@ -82,23 +81,6 @@ class ValidateBeforeRun(Callback):
         # then refused must not have changed anything.
         if not (record / "config.yaml").exists():
             write_hydra_record(config, record)
-
-    @staticmethod
-    def _check(config: DictConfig) -> None:
-        try:
-            validate(config)
-            require(
-                config.hydra.output_subdir is None,
-                f"hydra.output_subdir={config.hydra.output_subdir} would make Hydra write its "
-                "records with secrets unredacted: leave it null and set "
-                "hydra.callbacks.validate.output_subdir instead",
-            )
-            check_config_folders(config)
-        except OmegaConfBaseException as error:  # Hydra would only warn, and run the job
-            mistake = ConfigError(f"{error.full_key}: {str(error).splitlines()[0]}")
-            end(mistake, rank=launch_context.current().global_rank())
-        except ConfigError as error:
-            end(error, rank=launch_context.current().global_rank())  # rank 0 says it once
 
 
 def _check_shared_run_dir(config: DictConfig) -> None:
@@ -157,42 +139,3 @@ def _check_inside_sweep_dir(job_dir: Path, sweep_dir: Path) -> None:
 def _check_creatable(setting: str, path: Path) -> None:
     problem = creation_problem(path)
     require(problem is None, f"{setting}={path} cannot be created: {problem}; choose another")
-
-
-USER_PROVIDERS = (PROJECT_PROVIDER, USER_PROVIDER)  # the user's own config folders
-
-
-def check_config_folders(config: DictConfig) -> None:
-    """Every folder on the config search path exists: Hydra skips a missing one silently, and
-    the options the user meant to add would then be 'not found' with no hint why. No option of
-    the user's own folders is hidden by a shipped option of the same name, which Hydra would
-    pick instead, silently."""
-    sources = {}
-    for source in config.hydra.runtime.config_sources:
-        kind = SourcesRegistry.instance().resolve(source.schema)
-        sources[source.provider] = found = kind(source.provider, f"{source.schema}://{source.path}")
-        if not found.available():
-            where = (
-                "FRAMEWORK_CONFIG_PATH" if source.provider == USER_PROVIDER else "hydra.searchpath"
-            )
-            raise ConfigError(
-                f"{where}: {source.schema}://{source.path} is not a folder of config files (it "
-                "does not exist, or the package does not import): give file:///absolute/path "
-                "or pkg://importable.package.folder"
-            )
-        if source.provider in USER_PROVIDERS and "main" in sources:
-            check_not_hidden(found, sources["main"])
-
-
-def check_not_hidden(user: ConfigSource, shipped: ConfigSource) -> None:
-    for group in user.list("", ObjectType.GROUP):
-        if not shipped.is_group(group):
-            continue
-        for option in set(user.list(group, ObjectType.CONFIG)) & set(
-            shipped.list(group, ObjectType.CONFIG)
-        ):
-            name = option.removesuffix(".yaml")
-            raise ConfigError(
-                f"{user.full_path()}/{group}/{name}.yaml is hidden: {group}={name} picks the "
-                "shipped option of that name; rename yours"
-            )

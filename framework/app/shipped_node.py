@@ -1,0 +1,104 @@
+"""Hydra's node as the framework ships it: composed from the shipped files alone (Hydra's, its
+plugins' and conf/), with the same options picked where those files have them. What a
+composition changed of it is judged by app/hydra_node.py."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+from hydra._internal.utils import create_automatic_config_search_path
+from hydra.core.utils import JobRuntime
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from framework.app.config_search_path import PROJECT_PROVIDER, USER_PROVIDER
+from framework.core.config_dir import APP_FILE, CONF_DIR
+from framework.core.exits import ConfigError, first_line
+
+
+def plain_node(cfg: DictConfig) -> dict[str, Any]:
+    node = OmegaConf.to_container(cfg.hydra, resolve=False, enum_to_str=True)
+    assert isinstance(node, dict)
+    return node
+
+
+@functools.cache
+def _shipped_loader() -> ConfigLoaderImpl:
+    """Hydra's, its plugins' and the framework's config sources: none of the user's."""
+    found = create_automatic_config_search_path(str(APP_FILE), None, str(CONF_DIR))
+    shipped = ConfigSearchPathImpl()
+    for element in found.get_path():
+        if element.provider not in (PROJECT_PROVIDER, USER_PROVIDER):
+            shipped.append(element.provider, element.path)
+    return ConfigLoaderImpl(config_search_path=shipped)
+
+
+def _ships(loader: ConfigLoaderImpl, group: str, option: Any) -> bool:
+    return isinstance(option, str) and loader.repository.config_exists(f"{group}/{option}")
+
+
+def shipped_node(choices: dict[str, Any]) -> dict[str, Any]:
+    """Hydra's node composed from the shipped files alone, with `choices` (group: option)
+    picked where those files have the group and the option. A Hydra group's option must be a
+    shipped one: an option file of the user's would write Hydra's node."""
+    loader = _shipped_loader()
+    for group, option in choices.items():
+        if group.startswith("hydra/") and option is not None and not _ships(loader, group, option):
+            raise ConfigError(
+                f"{group}={option} is not an option that Hydra, its plugins or this framework "
+                "ship: Hydra's node may only be composed from those"
+            )
+    # Only shipped options pick anything in the shipped files: the node of a run that picks
+    # its own experiment is the node of every other run with the same shipped options.
+    shipped = tuple(
+        (group, option) for group, option in choices.items() if _ships(loader, group, option)
+    )
+    return copy.deepcopy(_shipped_node(shipped, _job_name()))
+
+
+def _job_name() -> str | None:
+    """The job's name Hydra composes into the node (hydra.job.name), set when Hydra starts."""
+    try:
+        return str(JobRuntime.instance().get("name"))
+    except KeyError:
+        return None
+
+
+@functools.cache
+def _shipped_node(choices: tuple[tuple[str, str], ...], job_name: str | None) -> dict[str, Any]:
+    """(choices: shipped options only. job_name: hydra.job.name comes from Hydra's
+    process-wide state, a key of the cache.)"""
+    loader = _shipped_loader()
+    picked = [f"{group}={option}" for group, option in choices]
+    try:
+        return plain_node(loader.load_configuration("config", picked, run_mode=RunMode.RUN))
+    except Exception:  # noqa: BLE001 (a group only a user's file brings in: picked below)
+        pass
+    return plain_node(_composed_in_rounds(loader, dict(choices)))
+
+
+def _composed_in_rounds(loader: ConfigLoaderImpl, picked: dict[str, str]) -> DictConfig:
+    """The shipped config with each picked group that its defaults list holds: each round may
+    bring a nested group into the list."""
+    cfg, overrides = loader.load_configuration("config", [], run_mode=RunMode.RUN), None
+    for _ in range(len(picked) + 1):
+        present = cfg.hydra.runtime.choices
+        wanted = [
+            f"{group}={option}"
+            for group, option in picked.items()
+            if group in present and _ships(loader, group, option)
+        ]
+        if wanted == overrides:
+            break
+        overrides = wanted
+        try:
+            cfg = loader.load_configuration("config", wanted, run_mode=RunMode.RUN)
+        except Exception as error:  # noqa: BLE001 (any composition error: refused, named)
+            raise ConfigError(
+                f"Hydra's node cannot be checked against the shipped one ({first_line(error)})"
+            ) from None
+    return cfg

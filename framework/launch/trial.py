@@ -1,0 +1,60 @@
+"""Where the trial of a run's parts (framework/rank/preflight.py) runs, before any rank starts:
+in this process where it is a rank itself (it imports the training stack anyway), else in a
+process forked from the fork server, which has imported it: a launcher never imports torch.
+Either way a part that refuses its settings is one line and exit 2, and no rank is started."""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing.connection import Connection
+
+from omegaconf import DictConfig
+
+from framework.core.exits import ConfigError, WorkerFailed
+from framework.launch import forkserver
+
+
+def try_here(cfg: DictConfig, world_size: int) -> None:
+    """The trial in this process (a rank to be, which imports the training stack anyway)."""
+    from framework.rank.preflight import preflight  # (the training stack: torch)
+
+    preflight(cfg, world_size)
+
+
+def try_in_a_fork(cfg: DictConfig, world_size: int) -> None:
+    """The trial in a process forked from the fork server; raises what it found."""
+    context = multiprocessing.get_context(forkserver.START_METHOD)
+    receiving, sending = context.Pipe(duplex=False)
+    trial = context.Process(
+        target=_trial,
+        args=(cfg, world_size, sending, *forkserver.launcher_context()),
+        name="trial",
+    )
+    trial.start()
+    sending.close()
+    try:
+        refusal = receiving.recv()
+    except EOFError:  # it failed before it could say (its traceback is printed)
+        refusal = None
+    trial.join()
+    if refusal is not None:
+        raise ConfigError(refusal)
+    if trial.exitcode != 0:  # a fault, not the config: its traceback is above
+        raise WorkerFailed(f"the trial of the run's parts ended with exit code {trial.exitcode}")
+
+
+def _trial(
+    cfg: DictConfig,
+    world_size: int,
+    sending: Connection,
+    environ: dict[str, str],
+    cwd: str,
+    stdio: list[int],
+) -> None:
+    forkserver.adopt(environ, cwd, stdio)
+    try:
+        try_here(cfg, world_size)
+    except ConfigError as refusal:
+        sending.send(str(refusal))
+        return
+    sending.send(None)
