@@ -2,9 +2,13 @@
 (experiment=char_gpt's model and batch), with fsdp's step time against ddp's on the same shape.
 
     uv run python -m benchmarks memory [--rounds 2] [--ranks 1,2,4] [--steps 12] [--model K=V ...]
+                                       [--strategies ddp,fsdp]
 
 --model overrides the preset's model (e.g. --model model.width=384 model.layers=4): a larger
-model whose state stands out of the process's own resident memory.
+model whose state stands out of the process's own resident memory. --strategies picks the
+contenders; a `+ac` suffix adds strategy.activation_checkpointing=true (`--strategies
+ddp,ddp+ac`: what recomputing each block in backward costs a step). The last column is each
+contender's median step time against the first's (each round's ratios are printed too).
 
 Per rank, exact from the local shards (DTensor.to_local() under fsdp) after the first optimizer
 step: parameter, gradient and optimizer-state bytes. Also per rank: the peak resident memory
@@ -41,6 +45,7 @@ from framework.components.utilization import MIB, peak_memory_mib
 from framework.rank.loop import Runner
 
 STRATEGIES = ("ddp", "fsdp")
+CHECKPOINTED = "+ac"  # a contender's suffix: strategy.activation_checkpointing=true
 CPU = torch.device("cpu")
 
 
@@ -49,9 +54,11 @@ def overrides(
 ) -> list[str]:
     """experiment=char_gpt as it ships (2 blocks of width 128, 4 heads, batch 16 x 64 tokens per
     rank, AdamW), for warm-up + measured steps: no evaluation on the way, no checkpoint."""
+    checkpointed = strategy.endswith(CHECKPOINTED)
     return [
         "experiment=char_gpt",
-        f"strategy={strategy}",
+        f"strategy={strategy.removesuffix(CHECKPOINTED)}",
+        *(["strategy.activation_checkpointing=true"] if checkpointed else []),
         f"launcher.nproc_per_node={world_size}",
         "data.val_fraction=0.01",  # the final evaluation is not what is measured
         "task.sample_tokens=0",
@@ -147,7 +154,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12, help="measured steps, after warm-up")
     parser.add_argument("--model", nargs="*", default=[], help="overrides of the preset's model")
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="contenders, the first the reference (a +ac suffix: activation checkpointing)",
+    )
     args = parser.parse_args(argv)
+    strategies = args.strategies.split(",")
     rank_counts = [int(n) for n in args.ranks.split(",")]
     work = Work(steps=args.steps, warmup=args.warmup)  # only its step counts are used
     # First, one untimed trial on every process of the pool: one-time costs (the text's first
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             extra={"strategy": strategy, "ranks": ranks, "model": args.model},
         )
         for ranks in rank_counts
-        for round_index, strategy in interleave(list(STRATEGIES), args.rounds)
+        for round_index, strategy in interleave(strategies, args.rounds)
     ]
     results = run_pool(
         [warm_up, *schedule],
@@ -183,16 +196,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for ranks in rank_counts:
         step_ms = {
-            strategy: median(
-                [
-                    1000 * r["global_batch_size"] / r["samples_per_s"]
-                    for r in runs[f"{ranks}x{strategy}"]
-                ]
-            )
-            for strategy in STRATEGIES
+            strategy: [
+                1000 * r["global_batch_size"] / r["samples_per_s"]
+                for r in runs[f"{ranks}x{strategy}"]
+            ]
+            for strategy in strategies
         }
-        for strategy in STRATEGIES:
-            rows.append(_row(ranks, strategy, runs[f"{ranks}x{strategy}"], step_ms))
+        for strategy in strategies:
+            rows.append(_row(ranks, strategy, runs[f"{ranks}x{strategy}"], step_ms, strategies[0]))
+            if strategy != strategies[0]:
+                ratios = [
+                    a / b for a, b in zip(step_ms[strategy], step_ms[strategies[0]], strict=True)
+                ]
+                print(
+                    f"{ranks}x{strategy} / {ranks}x{strategies[0]} step time, per round: "
+                    + " ".join(f"{ratio:.2f}" for ratio in ratios)
+                )
     headers = [
         "ranks",
         "strategy",
@@ -203,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak RSS MiB/rank (max)",
         "RSS rise in the run MiB/rank (max)",
         "step ms",
-        "fsdp / ddp step time",
+        f"step time / {strategies[0]}'s",
     ]
     print(f"\nmedian of {args.rounds} interleaved rounds; bytes from rank 0's local shards:")
     print(table(headers, rows))
@@ -214,14 +233,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": runs,
         "table": {"headers": headers, "rows": rows},
     }
-    default = (args.ranks, args.rounds, args.steps, args.warmup) == ("1,2,4", 2, 12, 3)
+    default = (args.ranks, args.rounds, args.steps, args.warmup) == ("1,2,4", 2, 12, 3) and (
+        strategies == list(STRATEGIES)
+    )
     name = "memory" if default else "memory-partial"
-    shape = "-".join(o.removeprefix("model.").replace("=", "") for o in args.model)
+    shape = "-".join(o.split(".")[-1].replace("_size=", "").replace("=", "") for o in args.model)
+    if strategies != list(STRATEGIES):
+        shape = "-".join([*strategies, shape] if shape else strategies).replace("+", "")
     write_result(f"{name}-{shape}" if shape else name, record)
     return record
 
 
-def _row(ranks: int, strategy: str, runs: list[dict], step_ms: dict[str, float]) -> list[str]:
+def _row(
+    ranks: int, strategy: str, runs: list[dict], step_ms: dict[str, list[float]], reference: str
+) -> list[str]:
     first = runs[0]["ranks"]
 
     def most(key: str) -> float:  # the largest rank's share (shards may be uneven)
@@ -232,7 +257,7 @@ def _row(ranks: int, strategy: str, runs: list[dict], step_ms: dict[str, float])
         [max(rank["peak_mib"] - rank["start_mib"] for rank in run["ranks"]) for run in runs]
     )
     state = max(rank["params"] + rank["grads"] + rank["optimizer"] for rank in first) / MIB
-    ratio = step_ms["fsdp"] / step_ms["ddp"]
+    ratio = median(step_ms[strategy]) / median(step_ms[reference])
     return [
         str(ranks),
         strategy,
@@ -242,8 +267,8 @@ def _row(ranks: int, strategy: str, runs: list[dict], step_ms: dict[str, float])
         f"**{state:.3f}**",
         f"{peak:.0f}",
         f"{rise:.0f}",
-        f"{step_ms[strategy]:.0f}",
-        f"{ratio:.2f}x" if strategy == "fsdp" else "",
+        f"{median(step_ms[strategy]):.0f}",
+        f"{ratio:.2f}x" if strategy != reference else "",
     ]
 
 

@@ -65,13 +65,15 @@ def whole_weights(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Exported:
-    """What an export wrote: the tensors, the files, and the most tensor bytes it held at once
+    """What an export wrote: the tensors, the files that hold them (the shards), the index that
+    names them (for more than one safetensors file), and the most tensor bytes it held at once
     (measured: the bytes of every tensor it had read that was still alive)."""
 
     tensors: int
     files: list[Path]
     total_bytes: int
     peak_bytes: int
+    index: Path | None = None
 
 
 def export(
@@ -118,11 +120,11 @@ def export_safetensors(
         weight_map.update(dict.fromkeys(group, path.name))
         del tensors  # before the next group is read
     total = sum(sizes.values())
-    if len(paths) > 1:
-        record = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        atomic_write(index, lambda file: file.write(json.dumps(record, indent=2).encode()))
-        paths.append(index)
-    return Exported(len(sizes), paths, total, held.peak)
+    if len(paths) == 1:
+        return Exported(len(sizes), paths, total, held.peak)
+    record = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    atomic_write(index, lambda file: file.write(json.dumps(record, indent=2).encode()))
+    return Exported(len(sizes), paths, total, held.peak, index)
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -258,10 +260,13 @@ def parse_size(text: str) -> int:
 
 
 def summary(exported: Exported) -> str:
+    count = len(exported.files)
+    files = f"{count} file" if count == 1 else f"{count} files"
+    if exported.index is not None:
+        files += f" named by {exported.index.name}"
     return (
-        f"{exported.tensors} tensors, {exported.total_bytes / 1e6:.1f} MB in "
-        f"{len(exported.files)} file(s); at most {exported.peak_bytes / 1e6:.1f} MB of tensors "
-        "held at once"
+        f"{exported.tensors} tensors, {exported.total_bytes / 1e6:.1f} MB in {files}; "
+        f"at most {exported.peak_bytes / 1e6:.1f} MB of tensors held at once"
     )
 
 
@@ -290,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(ExitCode.CONFIG_REJECTED) from None
-    print(f"{exported.files[-1]}: {summary(exported)}, from {args.checkpoint}")
+    # The file a loader opens: the index of a split export, else the one file.
+    print(f"{exported.index or exported.files[0]}: {summary(exported)}, from {args.checkpoint}")
 
 
 if __name__ == "__main__":

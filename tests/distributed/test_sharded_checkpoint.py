@@ -214,9 +214,7 @@ def test_a_sharded_checkpoint_exports_to_safetensors_one_file_of_tensors_at_a_ti
     # One file when it fits (the default limit: 2 GB); the command says what it wrote and held.
     (tmp_path / "one").mkdir()
     main([str(checkpoint), str(tmp_path / "one" / "model.safetensors")])
-    assert (
-        "6 tensors, 0.2 MB in 1 file(s); at most 0.2 MB of tensors held" in capsys.readouterr().out
-    )
+    assert "6 tensors, 0.2 MB in 1 file; at most 0.2 MB of tensors held" in capsys.readouterr().out
     assert [p.name for p in (tmp_path / "one").iterdir()] == ["model.safetensors"]
     whole = load_file(tmp_path / "one" / "model.safetensors")
     assert all(torch.equal(whole[name], tensor) for name, tensor in expected.items())

@@ -290,6 +290,37 @@ def test_tied_weights_export_to_safetensors_under_each_name(tmp_path):
     assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
+def test_a_split_export_counts_its_shards_not_the_index(tmp_path, capsys):
+    """Three tensors of 400 bytes under --max-shard-size=500: three safetensors files and the
+    index that names them. The files the export reports, and the count it prints, are the three
+    shards; the index is reported apart."""
+    from framework.storage.export import export, main
+
+    weights = {name: torch.full((100,), float(i)) for i, name in enumerate(("a", "b", "c"))}
+    write(tmp_path / "run", 1, {**payload(1), "model": weights}, keep=1)
+    checkpoint_file = tmp_path / "run" / "last.pt"
+    shards = [tmp_path / f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = tmp_path / "model.safetensors.index.json"
+
+    exported = export(checkpoint_file, tmp_path / "model.safetensors", max_shard_bytes=500)
+    assert exported.files == shards and exported.index == index
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["run", index.name, *(p.name for p in shards)]
+    )
+
+    (tmp_path / "again").mkdir()
+    main(
+        [
+            str(checkpoint_file),
+            str(tmp_path / "again" / "model.safetensors"),
+            "--max-shard-size=500",
+        ]
+    )
+    said = capsys.readouterr().out
+    assert said.startswith(f"{tmp_path / 'again' / index.name}: 3 tensors, 0.0 MB in 3 files")
+    assert "4 file" not in said
+
+
 @pytest.mark.parametrize(
     ("output", "option", "said"),
     [
