@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from framework.launch import forkserver
+from framework.launch import forked, forkserver
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -186,7 +186,7 @@ def run_pool(
             scratch,
             namespaces,
             env or {},
-            *forkserver.launcher_context(),
+            *forked.launcher_context(),
         ),
         nprocs=nprocs,
         join=False,
@@ -225,7 +225,7 @@ def _wait_for_result(store, context, index: int, trial: Trial, nprocs: int) -> d
 def _pool_worker(
     rank, port, nprocs, schedule, contenders, scratch, namespaces, env, environ, cwd, stdio
 ) -> None:
-    forkserver.adopt(environ, cwd, stdio)
+    forked.adopt(environ, cwd, stdio)
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, whatever the shell exported
     torch.set_num_threads(1)
@@ -286,8 +286,8 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from framework.config import validate
     from framework.config.registry import register_configs
+    from framework.config.validation import validate
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

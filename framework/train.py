@@ -20,16 +20,13 @@ import os
 import shutil
 import sys
 from collections.abc import MutableMapping
-from pathlib import Path
 
-from hydra import version
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from framework.app.command_line import CommandLine, read_command_line
 from framework.app.composition import (
@@ -48,20 +45,12 @@ from framework.app.help import (
     job_config_text,
     prints_the_job_config,
 )
-from framework.app.hydra_node import check_hydra_node
-from framework.config import validate
+from framework.config.keys import check_keys
 from framework.config.redaction import remember_secrets
-from framework.config.registry import register_configs
-from framework.config.validation import check_keys, joins_other_node, require
 from framework.core import launch_context, startup_clock
 from framework.core.exits import (
     ConfigError,
     ExitCode,
-    JobFailed,
-    NonFiniteLoss,
-    Rejected,
-    Stopped,
-    WorkerFailed,
     end,
 )
 from framework.core.secrets import (
@@ -70,15 +59,10 @@ from framework.core.secrets import (
     scrub,
     scrubbed_console,
 )
-from framework.launch import forkserver, launcher_watch
-from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start, start
-from framework.storage.run_dir import RunDir, is_throwaway, throwaway_dir
+from framework.launch import forkserver
+from framework.storage.files import throwaway_dir
 
 APP_NAME = "train"  # hydra.job.name
-# Every way into the app (the console script, `python -m framework.train`, a SLURM task unpickling
-# hydra_app) imports this module before Hydra composes or resolves anything.
-register_configs()
-version.setbase("1.3")  # Hydra 1.3's defaults: a job runs in the working dir it was started in
 
 
 def main() -> None:
@@ -94,7 +78,9 @@ def _main() -> None:
     startup_clock.mark("imports")
     here = launch_context.current()
     if isinstance(here, launch_context.TorchElastic):  # a rank of an external torchrun
-        launcher_watch.leave_with(os.getppid())  # its agent: no rank outlives it
+        from framework.launch.launcher_watch import leave_with  # (a rank's: none outlives it)
+
+        leave_with(os.getppid())  # its agent
     forkserver.warm_up_if_forking(sys.argv[1:])  # (already running when cli.py started it)
     try:
         command, hydra, composition = checked(sys.argv[1:])
@@ -156,36 +142,34 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
     cfg, args = composition.cfg, command.args
     remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
     shows = args.cfg or args.help or args.info or args.shell_completion or args.hydra_help
-    if shows:
-        check_keys(cfg, bounds=False)  # a value out of bounds is shown as it is
-    else:
-        validate(cfg)  # (a sweep's master: what every job shares)
+    check_keys(cfg, bounds=not shows)  # (a value out of bounds is shown as it is)
+    # Loaded once the keys passed: a misspelt key, the commonest mistake, is refused without
+    # loading the rules between keys and the check of Hydra's node (docs/benchmarks.md).
+    from framework.app.hydra_node import check_hydra_node
+    from framework.config.validation import check_rules
+
+    if not shows:
+        check_rules(cfg)  # (a sweep's master: what every job shares)
     if not prints_the_job_config(args):
         check_hydra_node(cfg, composition.overrides)
     if not shows:
-        _check_run_settings(cfg, composition.mode)
+        check_config_folders(cfg)
     if composition.mode is RunMode.MULTIRUN and not shows:
+        if cfg.mode == "estimate":
+            raise ConfigError(
+                "mode=estimate prints one config's memory per rank: run it without -m (one "
+                "command per setting you would sweep)"
+            )
         compose_jobs(cfg, loader)
     check_shown_package(cfg, args)
 
 
-def _check_run_settings(cfg: DictConfig, mode: RunMode) -> None:
-    require(
-        cfg.hydra.output_subdir is None,
-        f"hydra.output_subdir={cfg.hydra.output_subdir} would make Hydra write its records with "
-        "secrets unredacted: leave it null and set hydra.callbacks.run_dir.output_subdir instead",
-    )
-    require(
-        mode is RunMode.RUN or cfg.mode != "estimate",
-        "mode=estimate prints one config's memory per rank: run it without -m (one command per "
-        "setting you would sweep)",
-    )
-    check_config_folders(cfg)
-
-
 def check_sweep_job(cfg: DictConfig, overrides: list[str]) -> None:
     """A job of a sweep, as Hydra composes it (app/composition.py: before it starts): its keys,
-    types and targets, and its Hydra node. The rules on values fail the job alone, in it."""
+    types, bounds and targets, and its Hydra node. The facts between values fail the job
+    alone, in it."""
+    from framework.app.hydra_node import check_hydra_node  # (as in check)
+
     remember_secrets(cfg)
     check_keys(cfg)
     check_hydra_node(cfg, overrides)
@@ -209,6 +193,10 @@ def _run(command: CommandLine, hydra: Hydra, composition: Composition) -> None:
     """Hydra's own commands, or the run: Hydra composes again only what the checks did not
     (the loader hands it theirs), makes the run dir and calls hydra_app."""
     args, name, overrides = command.args, command.config_name, composition.overrides
+    # Imported once the config has passed its checks: a refusal never loads the machinery
+    # that runs a job (its run dir, how its ranks start).
+    from framework.launch.job import hydra_app
+
     with _hydras_errors_as_exits(hydra):
         if args.hydra_help:
             hydra.hydra_help(config_name=name, args_parser=get_args_parser(), args=args)
@@ -247,65 +235,6 @@ def _hydras_errors_as_exits(hydra: Hydra):
         end(refusal)
     finally:
         GlobalHydra.instance().clear()
-
-
-def hydra_app(cfg: DictConfig) -> float | None:
-    """Hydra's task function: the run's ranks started (launch/start.py decides how) in its run
-    dir, held. Returns the objective for a sweeper."""
-    here = launch_context.current()
-    if isinstance(here, launch_context.SubmititTask):
-        startup_clock.count_from_this_process()
-    startup_clock.mark("compose")
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    sweep_job = hydra_cfg.mode == RunMode.MULTIRUN
-    if adopts_rank_zero_config(here):
-        start(Start.SLURM_FOLLOWER, cfg, run_dir)
-        return None
-    try:
-        # A node that joins another node's torchrun job shares its run dir: the host holds it.
-        unheld = is_throwaway(run_dir) or joins_other_node(cfg.launcher)
-        with contextlib.nullcontext() if unheld else RunDir(run_dir).held(adopt=True):
-            summary = _run_held(cfg, run_dir, hydra_cfg, here, sweep_job)
-    except Stopped as stop:  # rank 0 said where the checkpoint is
-        raise SystemExit(stop.exit_code) from None  # a stop (Ctrl-C) ends a whole sweep too
-    except (Rejected, NonFiniteLoss, WorkerFailed) as error:
-        if sweep_job:  # Hydra records it and goes on with the next job
-            detail = getattr(error, "detail", None)  # what the failing rank said
-            raise JobFailed(f"{error}: {detail}" if detail else str(error)) from None
-        end(error, rank=here.global_rank())  # (every rank of an external torchrun: rank 0 says it)
-    return None if summary is None else summary[summary["objective"]]
-
-
-def _run_held(
-    cfg: DictConfig,
-    run_dir: Path,
-    hydra_cfg: DictConfig,
-    here: launch_context.LaunchContext,
-    sweep_job: bool,
-) -> dict | None:
-    """Start the run in its dir, held (a sweep's job checked first: its own values are checked
-    in it, so a job of its own mistake fails alone); a rejected start removes what it made
-    while it still holds the dir (another start never finds it half gone)."""
-    try:
-        if sweep_job:
-            validate(cfg)
-            join_sweep(cfg, RunDir(run_dir), hydra_cfg)
-        OmegaConf.resolve(cfg)
-        return start(how_ranks_start(cfg.launcher, here), cfg, run_dir)
-    except Rejected:
-        RunDir(run_dir).discard(sweep_job)
-        raise
-
-
-def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:
-    """A job of a sweep: its dir is only reused to resume it (a sweep run again with the same
-    hydra.sweep.dir resumes every job), and its W&B run joins the sweep's group."""
-    run.check_reusable(cfg, sweep_job=True, overrides=list(hydra_cfg.overrides.task))
-    if "wandb" in cfg.logger:
-        job, wandb = hydra_cfg.job, cfg.logger.wandb
-        wandb.group = wandb.group or str(hydra_cfg.sweep.dir)
-        wandb.run_name = wandb.run_name or f"{job.num}-{job.override_dirname}"[:128]
 
 
 if __name__ == "__main__":

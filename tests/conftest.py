@@ -17,9 +17,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from framework.app.config_search_path import CONFIG_PATH_VARIABLE
-from framework.config import CONF_DIR, validate
+from framework.config import CONF_DIR
 from framework.config.registry import register_configs
-from framework.launch import forkserver
+from framework.config.validation import validate
+from framework.launch import forked, forkserver
 
 REPO = Path(__file__).resolve().parent.parent
 DIST_ENV_VARS = (
@@ -293,7 +294,7 @@ def start_ranks(fn, args: tuple, nprocs: int = 2, join: bool = True):
     forkserver.warm_up()
     return mp.start_processes(
         _as_launched,
-        args=(*forkserver.launcher_context(), fn, args),
+        args=(*forked.launcher_context(), fn, args),
         nprocs=nprocs,
         join=join,
         start_method=forkserver.START_METHOD,
@@ -303,7 +304,7 @@ def start_ranks(fn, args: tuple, nprocs: int = 2, join: bool = True):
 def _as_launched(
     rank: int, environ: dict[str, str], cwd: str, stdio: list[int], fn, args: tuple
 ) -> None:
-    forkserver.adopt(environ, cwd, stdio)
+    forked.adopt(environ, cwd, stdio)
     fn(rank, *args)
 
 

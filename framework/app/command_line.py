@@ -8,27 +8,20 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import ChoiceSweep, Glob, IntervalSweep, RangeSweep
+from hydra.core.override_parser.types import ChoiceSweep
 from hydra.core.plugins import Plugins
 from hydra.plugins.completion_plugin import CompletionPlugin
 from omegaconf import OmegaConf
 
-from framework.app.hydra_node import (
-    CODE_NODES,
-    RUN_DIR_CALLBACK,
-    callable_key,
-    hydra_target_problem,
-    refusal,
-    settable,
-)
-from framework.core.allowlist import iter_leaves, matches_prefix
+from framework.app.config_search_path import searchpath_problem
+from framework.core.allowlist import matches_prefix
 from framework.core.config_dir import CONF_DIR
 from framework.core.exits import ConfigError
 from framework.core.secrets import REDACTED, env_secret_values, is_secret_name, scrub
@@ -175,66 +168,28 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"{named}: Hydra runs one of {', '.join(given)} at a time: keep one")
 
 
-# --- what may not be typed ------------------------------------------------------------------
+# --- what may not be typed -----------------------------------------------------------------
 def _check_typed(overrides: list[str]) -> None:
-    """Refuse overrides that would name code Hydra calls before any check of ours could run,
-    change the allowlist, or set a key of Hydra's node off its positive list (app/hydra_node.py)."""
-    pending, keys = parse(overrides), []
+    """Refuse what a command line may not set, where it acts before the composed config is
+    checked (app/hydra_node.py checks every key of Hydra's node there, before Hydra uses it):
+    allowed_targets, which only a config file may set (a command line handed to you must not
+    trust code), a sweep parameter included; and config folders that are not file://, which
+    are read, and a pkg:// one imported, as the config is composed."""
+    pending = parse(overrides)
     while pending:
         override = pending.pop(0)
-        for path, value in _leaves(override):
-            if problem := _typed_problem(path, value):
-                raise ConfigError(problem)
-            keys.append(path)
+        key = override.key_or_group
+        if matches_prefix(key, ["allowed_targets"]):
+            raise ConfigError(
+                f"{key} cannot be set on the command line: list your own modules in a config file"
+            )
+        if matches_prefix(key, ["hydra.searchpath"]) and override.is_sweep_override():
+            raise ConfigError(f"{key}: the config folders cannot be swept: set them once")
+        if matches_prefix(key, ["hydra.searchpath"]) and (
+            problem := searchpath_problem(override.value())
+        ):
+            raise ConfigError(problem)
         pending += parse(_sweeper_params(override))
-    for path in keys:  # (after the checks above, whose messages name the code)
-        if matches_prefix(path, ["hydra"]) and path != "hydra.output_subdir" and not settable(path):
-            raise ConfigError(refusal(path))
-
-
-def _leaves(override: Any) -> Iterator[tuple[str, Any]]:
-    """(path, value) for every value an override can set, sweep choices and dicts included.
-    Group selections (`hydra/launcher=submitit_slurm`) pick config files and yield nothing."""
-    key = override.key_or_group
-    if "/" in key or override.package is not None:
-        return
-    value = override.value()
-    if isinstance(value, ChoiceSweep):
-        values = value.list
-    elif isinstance(value, Glob):
-        values = [*value.include, *value.exclude]
-    elif isinstance(value, RangeSweep | IntervalSweep):
-        values = []  # numbers
-    else:
-        values = [value]
-    yield key, None  # the key itself, for rules on whole subtrees (also deletions)
-    for item in values:
-        yield from iter_leaves(item, key)
-
-
-def _typed_problem(path: str, value: Any) -> str | None:
-    """Why setting `path` to `value` on the command line is refused, or None."""
-    if matches_prefix(path, ["allowed_targets"]):
-        return f"{path} cannot be set on the command line: list your own modules in a config file"
-    if not matches_prefix(path, ["hydra"]):
-        return None
-    holds_callback = path in ("hydra", "hydra.callbacks") or matches_prefix(
-        path, [RUN_DIR_CALLBACK]
-    )
-    if holds_callback and path != f"{RUN_DIR_CALLBACK}.output_subdir":
-        return f"{path} cannot be changed on the command line: it holds {RUN_DIR_CALLBACK}"
-    if path == "hydra.output_subdir" and value is not None:
-        return (
-            f"hydra.output_subdir={value} would make Hydra write its unredacted records: use "
-            f"{RUN_DIR_CALLBACK}.output_subdir={value} (the redacted copy) instead"
-        )
-    if value is None:
-        return None
-    if matches_prefix(path, CODE_NODES) and isinstance(value, str) and "${" in value:
-        return f"{path}={value}: interpolations are not allowed here on the command line"
-    if callable_key(path) and (problem := hydra_target_problem(value)):
-        return f"{path}={value} {problem}"
-    return None
 
 
 def _sweeper_params(override: Any) -> list[str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from hydra import version
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import create_automatic_config_search_path
@@ -30,9 +31,10 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.app.command_line import CommandLine, parse
-from framework.config.validation import check_keys
+from framework.config.keys import check_keys
+from framework.config.registry import register_configs
 from framework.core.config_dir import APP_FILE, CONF_DIR
-from framework.core.exits import ConfigError
+from framework.core.exits import ConfigError, first_line
 
 # What composing raises for a config mistake: Hydra's, a file that is not YAML, and OmegaConf's
 # (a missing key, a wrong type).
@@ -46,6 +48,11 @@ COMPOSITION_MISTAKES = (
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 FULL_ERROR = "HYDRA_FULL_ERROR"  # Hydra's switch for its own tracebacks
 CheckJob = Callable[[DictConfig, list[str]], None]
+# Every composition goes through this module's loader, in the command and in a SLURM job that
+# unpickles it: the schemas and resolvers the YAML files use, and Hydra 1.3's defaults (a job
+# runs in the working dir it was started in), are set as it is imported.
+register_configs()
+version.setbase("1.3")
 
 
 @dataclass(frozen=True)
@@ -194,9 +201,9 @@ def wants_hydras_traceback() -> bool:
 def refusal_of(
     error: Exception, loader: ConfigLoaderImpl, overrides: list[str], config_name: str = "config"
 ) -> ConfigError | None:
-    """The ConfigError (one line, exit 2) for an error of composing these overrides that is a
-    config mistake; None for any other error, and where the user asked for Hydra's traceback:
-    those are Hydra's to report."""
+    """The ConfigError (one line, exit 2) for an error of composing these overrides: composing
+    reads files and merges values, and runs nothing of anyone's, so whatever fails there is a
+    mistake in what it was given. None where the user asked for Hydra's traceback."""
     if wants_hydras_traceback():
         return None
     mistake = _unknown_key(error, loader, overrides, config_name) or _group_value(
@@ -204,7 +211,13 @@ def refusal_of(
     )
     if mistake is None and isinstance(error, COMPOSITION_MISTAKES):
         mistake = describe(_yaml_mistake(error) if isinstance(error, yaml.YAMLError) else error)
-    return ConfigError(mistake) if mistake is not None else None
+    if mistake is None:  # composing runs nothing: what fails there is what it was given
+        at = re.search(r"full_key: (\S+)", str(error))
+        where = f" at {at[1]}" if at else ""
+        mistake = (
+            f"the overrides do not compose{where}: {type(error).__name__}: {first_line(error)}"
+        )
+    return ConfigError(mistake)
 
 
 # Hydra's answer to `key=value` for a key the config does not have.

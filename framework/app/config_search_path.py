@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from hydra._internal.sources_registry import SourcesRegistry
 from hydra.core.config_search_path import ConfigSearchPath
@@ -87,3 +88,16 @@ def check_not_hidden(user: ConfigSource, shipped: ConfigSource) -> None:
                 f"{user.full_path()}/{group}/{name}.yaml is hidden: {group}={name} picks the "
                 "shipped option of that name; rename yours"
             )
+
+
+def searchpath_problem(value: Any) -> str | None:
+    """Why hydra.searchpath's entries are refused: a pkg:// entry imports the package it
+    names as the config is composed (FRAMEWORK_CONFIG_PATH, the environment, may)."""
+    entries = value if isinstance(value, list | tuple) else [value]
+    for entry in entries:
+        if not isinstance(entry, str) or not entry.startswith("file://"):
+            return (
+                f"hydra.searchpath entry {entry!r} is refused: give file:///absolute/path "
+                "(pkg:// would import the package it names; FRAMEWORK_CONFIG_PATH may)"
+            )
+    return None

@@ -1,5 +1,8 @@
-"""A sweep launcher's summary: each job's row in the sweep dir's summary.csv / summary.md as it
-ends (framework/app/sweep_summary.py), whichever launcher ran it."""
+"""What the sweep launchers add to Hydra's (hydra_plugins/framework_launchers mixes these in):
+each job's row in the sweep dir's summary.csv / summary.md as it ends
+(framework/app/sweep_summary.py), and, for submitit's, waiting for each job's rank 0 result
+(framework/launch/slurm/sweep.py). Hydra imports every launcher plugin at each start, a refused
+command's too: what these run is imported when a sweep is set up or launched."""
 
 from __future__ import annotations
 
@@ -14,9 +17,7 @@ class SummarizedSweep:
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
-        # Imported here: Hydra imports every launcher plugin at each start, and the summary's
-        # run-dir reading imports the training stack.
-        from framework.app.sweep_summary import SweepSummary
+        from framework.app.sweep_summary import SweepSummary  # (in a sweep only: above)
 
         self.summary = SweepSummary(Path(str(config.hydra.sweep.dir)), config.objective)
 
@@ -28,3 +29,12 @@ class SummarizedSweep:
         if initial_job_idx not in self.summary.rows:  # a launcher that reports no job as it ends
             self.summary.add(initial_job_idx, returns)
         return returns
+
+
+class SubmittedSweep(SummarizedSweep):
+    """A submitit launcher's launch(): the jobs submitted, each job's rank 0 result awaited."""
+
+    def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
+        from framework.launch.slurm.sweep import submit_and_wait  # (in a sweep only: above)
+
+        return submit_and_wait(self, job_overrides, initial_job_idx)

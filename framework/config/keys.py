@@ -71,14 +71,17 @@ def check_keys(cfg: DictConfig, bounds: bool = True) -> None:
     named. Reads the callables' source; imports nothing. A value that cannot be resolved
     before the job (`${hydra:job.num}`) is left to the job, which checks it again. What a
     command only shows (--cfg job) is shown with a value out of bounds as it is."""
-    trusted_prefixes(cfg)  # first: an allowed_targets that does not resolve says so, by name
-    _check_builders_named(cfg)
-    _check_nothing_missing(cfg)
-    for path, node, schema, closed in _sections(cfg):
-        _check_section(path, node, schema, closed, bounds)
-    check_targets(cfg, shipped_targets())
-    for path, node, base in _options(cfg):
-        _check_option(path, node, base, bounds)
+    try:
+        trusted_prefixes(cfg)  # first: an allowed_targets that does not resolve says so
+        _check_builders_named(cfg)
+        _check_nothing_missing(cfg)
+        for path, node, schema, closed in _sections(cfg):
+            _check_section(path, node, schema, closed, bounds)
+        check_targets(cfg, shipped_targets())
+        for path, node, base in _options(cfg):
+            _check_option(path, node, base, bounds)
+    except OmegaConfBaseException as error:  # a value that is not of its key's type
+        raise ConfigError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
 
 
 # --- what is missing ------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from framework.core.devices import visible_gpus
 from framework.core.exits import ConfigError
 from framework.core.signatures import class_literal
 
-__all__ = ["check_keys", "validate"]
+__all__ = ["check_keys", "check_rules", "validate"]
 
 CPU_RANKS_PER_CORE = 4  # beyond this a CPU run only thrashes (launcher.oversubscribe insists)
 RUN_METRICS = {"samples_per_s": "max", "wall_s": "min"}  # objectives every run reports
@@ -49,8 +49,13 @@ Rule = Callable[[DictConfig], str | None]  # the whole config -> what is wrong, 
 
 def validate(cfg: DictConfig) -> None:
     """Every key and every fact between keys. Raises ConfigError with the setting and the fix."""
+    check_keys(cfg)
+    check_rules(cfg)
+
+
+def check_rules(cfg: DictConfig) -> None:
+    """The facts between keys, once the keys are known good."""
     try:
-        check_keys(cfg)
         for rule in RULES:
             if (problem := rule(cfg)) is not None:
                 raise ConfigError(problem)

@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection
 from omegaconf import DictConfig
 
 from framework.core.exits import ConfigError, WorkerFailed
-from framework.launch import forkserver
+from framework.launch import forked, forkserver
 
 
 def try_here(cfg: DictConfig, world_size: int) -> None:
@@ -27,7 +27,7 @@ def try_in_a_fork(cfg: DictConfig, world_size: int) -> None:
     receiving, sending = context.Pipe(duplex=False)
     trial = context.Process(
         target=_trial,
-        args=(cfg, world_size, sending, *forkserver.launcher_context()),
+        args=(cfg, world_size, sending, *forked.launcher_context()),
         name="trial",
     )
     trial.start()
@@ -51,7 +51,7 @@ def _trial(
     cwd: str,
     stdio: list[int],
 ) -> None:
-    forkserver.adopt(environ, cwd, stdio)
+    forked.adopt(environ, cwd, stdio)
     try:
         try_here(cfg, world_size)
     except ConfigError as refusal:

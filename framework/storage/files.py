@@ -5,11 +5,23 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 STEP_FILE = re.compile(r"^step_(\d+)\.(?:pt|dcp)$")
+THROWAWAY_PREFIX = "framework-rank"  # the temporary Hydra dir of torchrun ranks > 0
+
+
+def throwaway_dir() -> Path:
+    """Hydra's dir for a torchrun rank > 0, which adopts rank 0's run dir: removed again once
+    the rank has it (so a rank killed later leaves nothing behind)."""
+    return Path(tempfile.mkdtemp(prefix=THROWAWAY_PREFIX))
+
+
+def is_throwaway(path: Path) -> bool:
+    return path.name.startswith(THROWAWAY_PREFIX)
 
 
 def fsync_dir(directory: Path) -> None:

@@ -29,7 +29,6 @@ import os
 import shutil
 import socket
 import stat
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,6 @@ from framework.storage.files import atomic_write, step_files
 
 log = logging.getLogger("framework")
 
-THROWAWAY_PREFIX = "framework-rank"  # the temporary Hydra dir of torchrun ranks > 0
 # Run dirs that were empty when this process began a run in them: only those may be removed.
 _BEGUN_EMPTY: set[Path] = set()
 # Folders that did not exist before this process's run: Hydra makes them (outputs/<date>/...).
@@ -351,16 +349,6 @@ def _event_step(line: str) -> float:
         return json.loads(line).get("step", -1)
     except json.JSONDecodeError:
         return float("inf")  # a line cut short by a kill: drop it
-
-
-def throwaway_dir() -> Path:
-    """Hydra's dir for a torchrun rank > 0, which adopts rank 0's run dir: removed again once
-    the rank has it (so a rank killed later leaves nothing behind)."""
-    return Path(tempfile.mkdtemp(prefix=THROWAWAY_PREFIX))
-
-
-def is_throwaway(path: Path) -> bool:
-    return path.name.startswith(THROWAWAY_PREFIX)
 
 
 def _exists(path: Path) -> bool:

@@ -2,8 +2,8 @@
 
 Hydra finds plugins only in the hydra_plugins namespace, so this module sits there (installed
 with the framework) and only names them: the launchers are Hydra's basic one and
-hydra-submitit-launcher's two, each with the sweep summary (framework/app/sweep_summary.py),
-the submitit ones waiting for rank 0's result (framework/launch/slurm/sweep.py); the search
+hydra-submitit-launcher's two, each with the sweep summary and, the submitit ones, waiting for
+rank 0's result (framework/app/summarized_sweep.py); the search
 path plugin is framework/app/config_search_path.py. The import contract keeps this module a
 shim: the framework never imports it.
 """
@@ -19,8 +19,7 @@ from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQu
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher, SlurmLauncher
 
 from framework.app.config_search_path import UserConfigPath
-from framework.app.summarized_sweep import SummarizedSweep
-from framework.launch.slurm.sweep import SlurmQueue, SubmititSweep
+from framework.app.summarized_sweep import SubmittedSweep, SummarizedSweep
 
 __all__ = ["UserConfigPath"]  # found here by Hydra's plugin scan
 
@@ -29,11 +28,11 @@ class SweepLauncher(SummarizedSweep, BasicLauncher):
     """Hydra's basic launcher (the jobs one after another, from this process)."""
 
 
-class SubmititSlurmLauncher(SummarizedSweep, SlurmQueue, SlurmLauncher):
+class SubmititSlurmLauncher(SubmittedSweep, SlurmLauncher):
     """launcher=slurm: one SLURM job per sweep job."""
 
 
-class SubmititLocalLauncher(SummarizedSweep, SubmititSweep, LocalLauncher):
+class SubmititLocalLauncher(SubmittedSweep, LocalLauncher):
     """launcher=slurm_local: submitit's local executor, the same job on this machine."""
 
 

@@ -29,7 +29,7 @@ from benchmarks.plain_gpt import (
     datasheet_peak_tflops,
     mfu,
 )
-from framework.config import validate
+from framework.config.validation import validate
 from tests.conftest import REPO, make_cfg
 
 TOY = GPTWork(

@@ -15,10 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.components.data import load_splits
 from framework.components.optim import build_optimizer, scaled_lr
-from framework.config import batch, schemas, validate
+from framework.config import batch, schemas
 from framework.config.registry import GROUP_BASES, read_option
 from framework.config.resume_rules import must_match_in_eval, resumable_keys, training_settings
-from framework.config.validation import node_range
+from framework.config.validation import node_range, validate
 from framework.core.exits import ConfigError
 from framework.core.signatures import signature_of
 from tests.conftest import CONF_DIR, REPO, make_cfg

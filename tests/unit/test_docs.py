@@ -42,9 +42,8 @@ from hydra.core.override_parser.types import IntervalSweep, OverrideType
 
 from framework.app.command_line import read_command_line
 from framework.app.composition import OnceLoader, compose, search_path
-from framework.config import validate
 from framework.config.registry import register_configs
-from framework.config.validation import check_keys
+from framework.config.validation import check_keys, validate
 from framework.train import check_sweep_job, checked
 
 REPO = Path(__file__).resolve().parents[2]

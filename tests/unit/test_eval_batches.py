@@ -10,8 +10,8 @@ from framework.components.data import eval_loader
 from framework.components.models import SmallCNN
 from framework.components.precision import Precision
 from framework.components.tasks import Classification, first_batch
-from framework.config import validate
 from framework.config.registry import option_values
+from framework.config.validation import validate
 from framework.core.exits import ConfigError
 from framework.core.launch_context import DistEnv
 from framework.rank.evaluation import evaluate

@@ -7,8 +7,7 @@ import logging
 
 import pytest
 
-from framework.config import validate
-from framework.config.validation import joins_other_node, node_range
+from framework.config.validation import joins_other_node, node_range, validate
 from framework.core.exits import ConfigError
 from framework.core.launch_context import detect
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start

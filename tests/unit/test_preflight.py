@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from framework.config import validate
+from framework.config.validation import validate
 from framework.core.exits import ConfigError
 from framework.rank.preflight import preflight
 from tests.conftest import make_cfg

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import validate
+from framework.config.validation import validate
 from framework.core.exits import ConfigError
-from framework.storage.run_dir import RunDir, is_throwaway, throwaway_dir
+from framework.storage.files import is_throwaway, throwaway_dir
+from framework.storage.run_dir import RunDir
 from tests.conftest import make_cfg
 
 RUN_FIX = "Choose a new hydra.run.dir (or leave it unset for a fresh timestamped dir)"

@@ -25,8 +25,8 @@ from framework.components.tasks import (
     require_logits,
 )
 from framework.components.tasks.base import pack_states, unpack_states
-from framework.config import validate
 from framework.config.registry import option_values
+from framework.config.validation import validate
 from framework.core.exits import ConfigError
 from tests.conftest import make_cfg
 

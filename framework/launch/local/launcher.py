@@ -23,7 +23,7 @@ from framework.core import startup_clock
 from framework.core.exits import root_cause
 from framework.core.launch_context import DistEnv
 from framework.core.stop_signals import stop_signal_names
-from framework.launch import forkserver
+from framework.launch import forked, forkserver
 from framework.launch.local.store_host import hosted_store
 
 EXIT_GRACE_S = 3.0  # after a rank fails: time for the others to exit before SIGTERM, then SIGKILL
@@ -39,7 +39,7 @@ def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
         ranks = [
             context.Process(
                 target=_local_worker,
-                args=(rank, cfg, run_dir, store.port, nproc, *forkserver.launcher_context()),
+                args=(rank, cfg, run_dir, store.port, nproc, *forked.launcher_context()),
                 name=f"rank {rank}",
             )
             for rank in range(nproc)
@@ -111,7 +111,7 @@ def _local_worker(
     cwd: str,
     stdio: list[int],
 ) -> None:
-    forkserver.adopt(environ, cwd, stdio)
+    forked.adopt(environ, cwd, stdio)
     startup_clock.mark("start ranks")
     # Imported in the rank (the fork server has them loaded): the launcher never imports torch.
     import torch.distributed as dist

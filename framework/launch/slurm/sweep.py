@@ -6,7 +6,7 @@ without a result (killed, out of memory, a rank that left with os._exit) then le
 waiting forever where SLURM keeps no accounting, and raises out of the whole sweep where it
 does. Here the sweep waits for rank 0's result (the task that runs the job's Hydra task function
 to its end), or for the job to leave the queue without one, and records that job as failed.
-hydra_plugins/framework_launchers makes Hydra launchers of these.
+framework/app/summarized_sweep.py's SubmittedSweep calls it, once a sweep launches.
 """
 
 from __future__ import annotations
@@ -43,50 +43,45 @@ ENDED_STATES = {
 }
 
 
-class SubmititSweep:
-    """launch() for hydra-submitit-launcher's launchers (its executor set-up), waiting for rank
-    0's result; `job_ended` is called as each job's result comes."""
+def submit_and_wait(launcher: Any, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
+    """A submitit launcher's launch() (its executor set-up, `launcher.params`), waiting for each
+    job's rank 0 result; `launcher.job_ended(num, result)` as each comes (the sweep summary
+    grows row by row)."""
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    log.info("Submitit '%s' sweep output dir: %s", launcher._EXECUTOR, sweep_dir)
+    arguments = []
+    for num, overrides in enumerate(job_overrides, start=initial_job_idx):
+        log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
+        arguments.append(
+            (list(overrides), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
+        )
+    submitted_at = time.time()
+    try:
+        jobs = _executor(launcher).map_array(launcher, *zip(*arguments, strict=True))
+    except Exception as error:  # noqa: BLE001 (sbatch's refusal, as one message)
+        raise JobFailed(f"{launcher._EXECUTOR}: the jobs were not submitted: {error}") from None
+    for job, (overrides, *_rest) in zip(jobs, arguments, strict=True):
+        log.info("job %s: %s", job.job_id, " ".join(filter_overrides(overrides)))
+    watch = Watch(launcher, submitted_at)
+    returns = []
+    for num, job in enumerate(jobs, start=initial_job_idx):
+        returns.append(watch.result(job, num, arguments[num - initial_job_idx][0]))
+        launcher.job_ended(num, returns[-1])
+    return returns
 
-    _EXECUTOR: str
-    params: dict[str, Any]
-    config: Any
-    hydra_context: Any
 
-    def job_ended(self, num: int, ret: JobReturn) -> None:
-        """Called with each job's result as it comes (the sweep summary grows row by row)."""
+class Watch:
+    """Rank 0's result of each job of one submission: from submitit's result file, or the
+    job's state in the queue (`squeue` on a cluster, submitit's own watch of its local
+    processes)."""
 
-    def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        log.info("Submitit '%s' sweep output dir: %s", self._EXECUTOR, sweep_dir)
-        arguments = []
-        for num, overrides in enumerate(job_overrides, start=initial_job_idx):
-            log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
-            arguments.append(
-                (
-                    list(overrides),
-                    "hydra.sweep.dir",
-                    num,
-                    f"job_id_for_{num}",
-                    Singleton.get_state(),
-                )
-            )
-        submitted_at = time.time()
-        try:
-            jobs = self._executor().map_array(self, *zip(*arguments, strict=True))
-        except Exception as error:  # noqa: BLE001 (sbatch's refusal, as one message)
-            raise JobFailed(f"{self._EXECUTOR}: the jobs were not submitted: {error}") from None
-        for job, (overrides, *_rest) in zip(jobs, arguments, strict=True):
-            log.info("job %s: %s", job.job_id, " ".join(filter_overrides(overrides)))
-        returns = []
-        for num, job in enumerate(jobs, start=initial_job_idx):
-            returns.append(
-                self._result(job, num, arguments[num - initial_job_idx][0], submitted_at)
-            )
-            self.job_ended(num, returns[-1])
-        return returns
+    def __init__(self, launcher: Any, submitted_at: float) -> None:
+        self.launcher, self.submitted_at = launcher, submitted_at
+        self.executor = launcher._EXECUTOR
+        self.on_cluster = self.executor == "slurm"
 
-    def _result(self, job: Any, num: int, overrides: list[str], submitted_at: float) -> JobReturn:
+    def result(self, job: Any, num: int, overrides: list[str]) -> JobReturn:
         """Rank 0's JobReturn. A completed one counts at once; a failed one once the job has
         left the queue (a requeued job runs again and writes a new one); none, RESULT_GRACE_S
         after the job left the queue (a shared filesystem may show a new file late)."""
@@ -94,7 +89,7 @@ class SubmititSweep:
         ended_at: float | None = None
         state, state_at = "UNKNOWN", 0.0
         while True:
-            outcome = _fresh_result(rank0.paths.result_pickle, submitted_at)
+            outcome = _fresh_result(rank0.paths.result_pickle, self.submitted_at)
             if outcome is not None and _completed(outcome):
                 return outcome[1]
             if time.monotonic() - state_at >= STATE_POLL_S:
@@ -107,7 +102,7 @@ class SubmititSweep:
                     num,
                     overrides,
                     JobFailed(
-                        f"{self._EXECUTOR} job {job.job_id} ended without a result ({state}); "
+                        f"{self.executor} job {job.job_id} ended without a result ({state}); "
                         f"its log: {rank0.paths.stderr}"
                     ),
                 )
@@ -123,35 +118,12 @@ class SubmititSweep:
         return self._failed(
             num,
             overrides,
-            JobFailed(
-                f"{self._EXECUTOR} job {job.job_id}: {lines[-1]} (log: {rank0.paths.stderr})"
-            ),
+            JobFailed(f"{self.executor} job {job.job_id}: {lines[-1]} (log: {rank0.paths.stderr})"),
         )
-
-    def _executor(self) -> Any:
-        import submitit
-
-        # As hydra-submitit-launcher: max_num_timeout goes to the executor, keys shared by all
-        # executors as they are, the others prefixed with the executor's name.
-        params = dict(self.params)
-        folder = params.pop("submitit_folder")
-        init = (
-            {f"{self._EXECUTOR}_max_num_timeout": params.pop("max_num_timeout")}
-            if "max_num_timeout" in params
-            else {}
-        )
-        executor = submitit.AutoExecutor(folder=folder, cluster=self._EXECUTOR, **init)
-        shared = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(
-            **{
-                key if key in shared else f"{self._EXECUTOR}_{key}": value
-                for key, value in params.items()
-            }
-        )
-        return executor
 
     def _failed(self, num: int, overrides: list[str], error: Exception) -> JobReturn:
-        config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        launcher = self.launcher
+        config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
         with open_dict(config):
             config.hydra.job.num = num
         job_dir = Path(config.hydra.sweep.dir, str(config.hydra.sweep.subdir))
@@ -160,20 +132,15 @@ class SubmititSweep:
         return ret
 
     def _is_ended(self, job: Any, state: str) -> bool:
-        return job.done(force_check=True)  # the local executor watches its own processes
+        if self.on_cluster:
+            return state in ENDED_STATES or state == "GONE"
+        return bool(job.done(force_check=True))  # the local executor watches its processes
 
     def _state(self, job: Any) -> str:
-        return str(job.state)
-
-
-class SlurmQueue(SubmititSweep):
-    """A SLURM cluster's queue, asked through squeue (no accounting needed)."""
-
-    def _is_ended(self, job: Any, state: str) -> bool:
-        return state in ENDED_STATES or state == "GONE"
-
-    def _state(self, job: Any) -> str:
-        """squeue's view (no accounting needed); GONE once SLURM forgot the job."""
+        """squeue's view on a cluster (no accounting needed; GONE once SLURM forgot the job),
+        else submitit's."""
+        if not self.on_cluster:
+            return str(job.state)
         try:
             listing = subprocess.run(
                 ["squeue", "--noheader", "--states=all", "--format=%T", f"--jobs={job.job_id}"],
@@ -187,6 +154,26 @@ class SlurmQueue(SubmititSweep):
         if listing.returncode != 0 and "Invalid job id" not in listing.stderr:
             return "UNKNOWN"
         return states[0] if states else "GONE"
+
+
+def _executor(launcher: Any) -> Any:
+    import submitit
+
+    # As hydra-submitit-launcher: max_num_timeout goes to the executor, keys shared by all
+    # executors as they are, the others prefixed with the executor's name.
+    name, params = launcher._EXECUTOR, dict(launcher.params)
+    folder = params.pop("submitit_folder")
+    init = (
+        {f"{name}_max_num_timeout": params.pop("max_num_timeout")}
+        if "max_num_timeout" in params
+        else {}
+    )
+    executor = submitit.AutoExecutor(folder=folder, cluster=name, **init)
+    shared = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(
+        **{key if key in shared else f"{name}_{key}": value for key, value in params.items()}
+    )
+    return executor
 
 
 def _fresh_result(path: Path, submitted_at: float) -> tuple[str, Any] | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from framework.config import validate
+from framework.config.validation import validate
 from framework.core import launch_context
 from framework.core.exits import (
     ConfigError,

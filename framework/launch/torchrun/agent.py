@@ -28,7 +28,7 @@ from framework.config.validation import node_range
 from framework.core import launch_context, startup_clock
 from framework.core.exits import Stopped, WorkerFailed, root_cause
 from framework.core.stop_signals import stop_signal_names
-from framework.launch import forkserver
+from framework.launch import forked, forkserver
 
 # The logger torch's agent reports a failed worker with (logger.exception).
 WORKER_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
@@ -66,7 +66,7 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
     config = launch_config(cfg, run_dir, agent_logs)
     try:
         forkserver.warm_up()  # (already running when `train` started it)
-        elastic_launch(config, _elastic_worker)(cfg, run_dir, *forkserver.launcher_context())
+        elastic_launch(config, _elastic_worker)(cfg, run_dir, *forked.launcher_context())
     except ChildFailedError as error:
         codes = [0] * (launcher.nproc_per_node * max_nodes)
         for rank, failure in error.failures.items():
@@ -109,7 +109,7 @@ def launch_config(cfg: DictConfig, run_dir: Path, agent_logs: str) -> LaunchConf
         local_addr=launcher.local_addr,
         max_restarts=launcher.max_restarts,
         monitor_interval=launcher.monitor_interval_s,
-        # Forked from the fork server that has the training stack imported (forkserver.adopt
+        # Forked from the fork server that has the training stack imported (forked.adopt
         # keeps the variables the agent sets on top of the launcher's environment).
         start_method=forkserver.START_METHOD,
         # The agent passes these on to the ranks; by default it dies on SIGUSR1/2 instead and
@@ -134,7 +134,7 @@ def rendezvous_settings(launcher: DictConfig, max_nodes: int) -> dict[str, Any]:
 def _elastic_worker(
     cfg: DictConfig, run_dir: Path, environ: dict[str, str], cwd: str, stdio: list[int]
 ) -> None:
-    forkserver.adopt(environ, cwd, stdio)
+    forked.adopt(environ, cwd, stdio)
     here = launch_context.current()
     if here.restarted():  # the launcher's marks are those of the first round
         startup_clock.count_from_now()

@@ -12,7 +12,8 @@ from framework.core import launch_context
 from framework.core.exits import ExitCode
 from framework.launch.rank_entry import enter_rank
 from framework.launch.trial import try_here
-from framework.storage.run_dir import RunDir, is_throwaway
+from framework.storage.files import is_throwaway
+from framework.storage.run_dir import RunDir
 
 
 def external_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
