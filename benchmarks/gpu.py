@@ -363,15 +363,30 @@ def gpt_settings(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.cpu:
         work = GPTWork(
-            layers=2, heads=4, width=64, block_size=32, stride=32, batch_size=8,
-            warmup=3, steps=18, log_every=3, peak_tflops=1.0,
-        )  # fmt: skip
+            layers=2,
+            heads=4,
+            width=64,
+            block_size=32,
+            stride=32,
+            batch_size=8,
+            warmup=3,
+            steps=18,
+            log_every=3,
+            peak_tflops=1.0,
+        )
         variants, rounds = "fp32", 2  # bf16 autocast on these CPUs is about 16x slower
     else:
         work = GPTWork(
-            layers=6, heads=12, width=768, block_size=256, stride=64, batch_size=64,
-            warmup=10, steps=60, log_every=10,
-        )  # fmt: skip
+            layers=6,
+            heads=12,
+            width=768,
+            block_size=256,
+            stride=64,
+            batch_size=64,
+            warmup=10,
+            steps=60,
+            log_every=10,
+        )
         variants, rounds = "bf16,bf16+compile", 3
     return {
         "cpu": args.cpu,

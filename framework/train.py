@@ -14,6 +14,7 @@ each rank does is framework/rank/main.py.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import os
@@ -93,7 +94,7 @@ def _main() -> None:
     gc.enable()  # paused by cli.py until the config has passed its checks
     sys.argv[1:] = command.argv  # what W&B records: secrets as ${oc.env:NAME}
     cleanup_dir = None
-    if here.is_follower and isinstance(here, launch_context.TorchElastic):
+    if here.is_follower and isinstance(here, launch_context.TorchElastic) and composition:
         cleanup_dir = composition.cfg.hydra.run.dir  # a throwaway dir (_follower_overrides)
     try:
         _run(command, hydra, composition)
@@ -104,7 +105,7 @@ def _main() -> None:
 
 def checked(
     argv: list[str], environ: MutableMapping[str, str] = os.environ
-) -> tuple[CommandLine, Hydra, Composition]:
+) -> tuple[CommandLine, Hydra, Composition | None]:
     """The command read, its config composed once and checked: everything `train` does before
     Hydra runs anything. Raises ConfigError for a mistake."""
     here = launch_context.current()
@@ -113,6 +114,8 @@ def checked(
         print(_adopted_line(command), file=sys.stderr)
     loader = OnceLoader(search_path(command.args), check_sweep_job)
     hydra = Hydra(task_name=APP_NAME, config_loader=loader)  # (Hydra's resolvers, the job name)
+    if command.args.shell_completion:  # its arguments name a shell, not overrides: Hydra's
+        return command, hydra, None
     composition = compose(command, loader)
     check(composition, command, loader)
     return command, hydra, composition
@@ -142,7 +145,8 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
     cfg, args = composition.cfg, command.args
     remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
     shows = args.cfg or args.help or args.info or args.shell_completion or args.hydra_help
-    check_keys(cfg, bounds=not shows)  # (a value out of bounds is shown as it is)
+    if not args.hydra_help:  # (Hydra's help composes Hydra's config alone: its node is all)
+        check_keys(cfg, bounds=not shows)  # (a value out of bounds is shown as it is)
     # Loaded once the keys passed: a misspelt key, the commonest mistake, is refused without
     # loading the rules between keys and the check of Hydra's node (docs/benchmarks.md).
     from framework.app.hydra_node import check_hydra_node
@@ -151,7 +155,7 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
     if not shows:
         check_rules(cfg)  # (a sweep's master: what every job shares)
     if not prints_the_job_config(args):
-        check_hydra_node(cfg, composition.overrides)
+        check_hydra_node(cfg, composition.overrides, composition.config_name)
     if not shows:
         check_config_folders(cfg)
     if composition.mode is RunMode.MULTIRUN and not shows:
@@ -175,37 +179,46 @@ def check_sweep_job(cfg: DictConfig, overrides: list[str]) -> None:
     check_hydra_node(cfg, overrides)
 
 
-def _answer(command: CommandLine, hydra: Hydra, composition: Composition) -> str | None:
+def _answer(command: CommandLine, hydra: Hydra, composition: Composition | None) -> str | None:
     """What the command prints instead of running: --help, --cfg job, mode=estimate."""
-    cfg, args = composition.cfg, command.args
+    args = command.args
+    if composition is None or args.cfg and not prints_the_job_config(args):
+        return None  # Hydra's to answer
+    cfg = composition.cfg
     if args.help:
         return help_text(cfg, hydra.config_loader, args.resolve)
     if prints_the_job_config(args):
         return job_config_text(cfg)
-    if not args.cfg and composition.mode is RunMode.RUN and cfg.mode == "estimate":
+    if args.info or args.hydra_help:
+        return None
+    if composition.mode is RunMode.RUN and cfg.mode == "estimate":
         from framework.rank.estimate import estimate_text  # (the training stack: torch)
 
         return estimate_text(cfg) + "\n"  # before any rank, run dir or training
     return None
 
 
-def _run(command: CommandLine, hydra: Hydra, composition: Composition) -> None:
+def _run(command: CommandLine, hydra: Hydra, composition: Composition | None) -> None:
     """Hydra's own commands, or the run: Hydra composes again only what the checks did not
     (the loader hands it theirs), makes the run dir and calls hydra_app."""
-    args, name, overrides = command.args, command.config_name, composition.overrides
+    args, name = command.args, command.config_name
+    if composition is None:  # shell completion
+        with _hydras_errors_as_exits(hydra):
+            hydra.shell_completion(config_name=name, overrides=args.overrides)
+        return
+    overrides = composition.overrides
     # Imported once the config has passed its checks: a refusal never loads the machinery
     # that runs a job (its run dir, how its ranks start).
     from framework.launch.job import hydra_app
 
     with _hydras_errors_as_exits(hydra):
-        if args.hydra_help:
-            hydra.hydra_help(config_name=name, args_parser=get_args_parser(), args=args)
+        if args.hydra_help:  # (given the overrides the checked composition was made of)
+            composed = argparse.Namespace(**{**vars(args), "overrides": overrides})
+            hydra.hydra_help(config_name=None, args_parser=get_args_parser(), args=composed)
         elif args.cfg:
             hydra.show_cfg(name, overrides, args.cfg, args.package, args.resolve)
         elif args.info:
             hydra.show_info(args.info, config_name=name, overrides=overrides)
-        elif args.shell_completion:
-            hydra.shell_completion(config_name=name, overrides=overrides)
         elif composition.mode is RunMode.MULTIRUN:
             hydra.multirun(config_name=name, task_function=hydra_app, overrides=overrides)
         else:

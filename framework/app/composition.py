@@ -63,6 +63,7 @@ class Composition:
     cfg: DictConfig
     mode: RunMode
     overrides: list[str]
+    config_name: str | None = "config"  # None: Hydra's help composes Hydra's config alone
 
 
 class OnceLoader(ConfigLoaderImpl):
@@ -77,9 +78,9 @@ class OnceLoader(ConfigLoaderImpl):
         self._made: dict[tuple[str, ...], DictConfig] = {}
         self._jobs: dict[tuple[str, ...], DictConfig] = {}
 
-    def keep(self, config_name: str, overrides: list[str], cfg: DictConfig) -> None:
+    def keep(self, config_name: str | None, overrides: list[str], cfg: DictConfig) -> None:
         """Hydra's next composition of these arguments is `cfg`."""
-        self._made[(config_name, *overrides)] = cfg
+        self._made[(str(config_name), *overrides)] = cfg
 
     def load_configuration(
         self, config_name: str | None, overrides: list[str], run_mode: RunMode, **options: Any
@@ -158,13 +159,14 @@ def compose(command: CommandLine, loader: OnceLoader) -> Composition:
     args = command.args
     shows = args.cfg or args.info or args.shell_completion or args.hydra_help or args.help
     asked = RunMode.MULTIRUN if command.sweeps and not shows else RunMode.RUN
+    name = None if args.hydra_help else command.config_name  # (as Hydra's help composes)
     try:
-        cfg = loader.load_configuration(command.config_name, command.overrides, run_mode=asked)
+        cfg = loader.load_configuration(name, command.overrides, run_mode=asked)
     except Exception as error:  # noqa: BLE001 (a config mistake is refused in one line)
         raise refusal_of(error, loader, command.overrides, command.config_name) or error from None
     if shows:
-        loader.keep(command.config_name, command.overrides, cfg)
-        return Composition(cfg, RunMode.RUN, command.overrides)
+        loader.keep(name, command.overrides, cfg)
+        return Composition(cfg, RunMode.RUN, command.overrides, name)
     mode, added = _run_mode(cfg, command)
     if added:  # as Hydra adds it (hydra/_internal/utils.py: _run_app)
         with read_write(cfg.hydra):

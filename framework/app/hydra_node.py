@@ -32,7 +32,9 @@ from framework.core.exits import ConfigError, first_line
 _ABSENT = object()
 
 
-def check_hydra_node(cfg: DictConfig, overrides: list[str]) -> None:
+def check_hydra_node(
+    cfg: DictConfig, overrides: list[str], config_name: str | None = "config"
+) -> None:
     """Raise ConfigError unless what cfg's Hydra node calls is allowed, Hydra's record of the
     overrides is what `overrides` make it (a config file cannot write it), and every key that
     differs from the shipped node is settable, with a value its rule allows once resolved."""
@@ -42,7 +44,7 @@ def check_hydra_node(cfg: DictConfig, overrides: list[str]) -> None:
         if matches_prefix(path, CODE_NODES) and (problem := _leaf_problem(path, value, trusted)):
             raise ConfigError(problem)
     _check_override_record(cfg, overrides)
-    reference = shipped_node(_choices(cfg))
+    reference = shipped_node(_choices(cfg), config_name)
     changed = [path for path in _changed(node, reference) if not matches_prefix(path, HYDRA_WRITES)]
     for path in changed:
         if not settable(path):

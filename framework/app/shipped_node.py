@@ -41,8 +41,9 @@ def _ships(loader: ConfigLoaderImpl, group: str, option: Any) -> bool:
     return isinstance(option, str) and loader.repository.config_exists(f"{group}/{option}")
 
 
-def shipped_node(choices: dict[str, Any]) -> dict[str, Any]:
-    """Hydra's node composed from the shipped files alone, with `choices` (group: option)
+def shipped_node(choices: dict[str, Any], config_name: str | None = "config") -> dict[str, Any]:
+    """Hydra's node composed from the shipped files alone (from the shipped primary config, or
+    none: Hydra's own help composes Hydra's config alone), with `choices` (group: option)
     picked where those files have the group and the option. A Hydra group's option must be a
     shipped one: an option file of the user's would write Hydra's node."""
     loader = _shipped_loader()
@@ -57,7 +58,7 @@ def shipped_node(choices: dict[str, Any]) -> dict[str, Any]:
     shipped = tuple(
         (group, option) for group, option in choices.items() if _ships(loader, group, option)
     )
-    return copy.deepcopy(_shipped_node(shipped, _job_name()))
+    return copy.deepcopy(_shipped_node(shipped, _job_name(), config_name))
 
 
 def _job_name() -> str | None:
@@ -69,22 +70,26 @@ def _job_name() -> str | None:
 
 
 @functools.cache
-def _shipped_node(choices: tuple[tuple[str, str], ...], job_name: str | None) -> dict[str, Any]:
+def _shipped_node(
+    choices: tuple[tuple[str, str], ...], job_name: str | None, config_name: str | None
+) -> dict[str, Any]:
     """(choices: shipped options only. job_name: hydra.job.name comes from Hydra's
     process-wide state, a key of the cache.)"""
     loader = _shipped_loader()
     picked = [f"{group}={option}" for group, option in choices]
     try:
-        return plain_node(loader.load_configuration("config", picked, run_mode=RunMode.RUN))
+        return plain_node(loader.load_configuration(config_name, picked, run_mode=RunMode.RUN))
     except Exception:  # noqa: BLE001 (a group only a user's file brings in: picked below)
         pass
-    return plain_node(_composed_in_rounds(loader, dict(choices)))
+    return plain_node(_composed_in_rounds(loader, dict(choices), config_name))
 
 
-def _composed_in_rounds(loader: ConfigLoaderImpl, picked: dict[str, str]) -> DictConfig:
+def _composed_in_rounds(
+    loader: ConfigLoaderImpl, picked: dict[str, str], config_name: str | None
+) -> DictConfig:
     """The shipped config with each picked group that its defaults list holds: each round may
     bring a nested group into the list."""
-    cfg, overrides = loader.load_configuration("config", [], run_mode=RunMode.RUN), None
+    cfg, overrides = loader.load_configuration(config_name, [], run_mode=RunMode.RUN), None
     for _ in range(len(picked) + 1):
         present = cfg.hydra.runtime.choices
         wanted = [
@@ -96,7 +101,7 @@ def _composed_in_rounds(loader: ConfigLoaderImpl, picked: dict[str, str]) -> Dic
             break
         overrides = wanted
         try:
-            cfg = loader.load_configuration("config", wanted, run_mode=RunMode.RUN)
+            cfg = loader.load_configuration(config_name, wanted, run_mode=RunMode.RUN)
         except Exception as error:  # noqa: BLE001 (any composition error: refused, named)
             raise ConfigError(
                 f"Hydra's node cannot be checked against the shipped one ({first_line(error)})"

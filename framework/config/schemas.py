@@ -177,89 +177,61 @@ class StrategyConfig:
 
 
 # --- launch, logging, trainer ---------------------------------------------------------------
+# The launchers build nothing by `_target_`: these are their keys' types and bounds; every value,
+# with what it does, is in the option's YAML (conf/launcher/<name>.yaml), as any option's is.
 @dataclass
 class LauncherConfig:
     name: str = MISSING
-    nproc_per_node: Annotated[int, Ge(1)] = 2  # ranks started on this machine
-    # Start more ranks than this machine holds (CPU: 4 per core; GPU: one per visible device):
-    # refused unless true.
-    oversubscribe: bool = False
+    nproc_per_node: Annotated[int, Ge(1)] = MISSING
+    oversubscribe: bool = MISSING
 
 
 @dataclass
 class LocalLauncherConfig(LauncherConfig):
-    """Spawn nproc_per_node ranks on this machine from the process Hydra started."""
-
-    name: str = "local"
-    # One rank per visible GPU, else 2 (an interpolation OmegaConf resolves to an int).
-    nproc_per_node: Annotated[int, Ge(1)] = "${default_ranks:}"  # type: ignore[assignment]
+    """Ranks forked on this machine from the fork server the command started."""
 
 
 @dataclass
 class TorchrunLauncherConfig(LauncherConfig):
     """Workers started by torch.distributed's elastic agent (the engine behind `torchrun`)."""
 
-    name: str = "torchrun"
-    # One rank per visible GPU, else 2 (an interpolation OmegaConf resolves to an int).
-    nproc_per_node: Annotated[int, Ge(1)] = "${default_ranks:}"  # type: ignore[assignment]
-    # Nodes: N, or MIN:MAX (as torchrun's --nnodes) for an elastic job that goes on with the
-    # nodes left after one is lost (needs max_restarts >= 1; docs/launchers.md). An int or a
-    # string; node ranks are assigned by the rendezvous.
-    nnodes: str = "1"
-    rdzv_endpoint: str = "localhost:0"  # host:port of node 0; port 0 picks a free one (1 node)
-    # Several nodes: true on the node at rdzv_endpoint, which hosts the rendezvous (and the run
-    # dir's lock and record); every other node joins it. One node: ignored (it always hosts).
-    rdzv_host: bool = False
-    # This node's address as the other nodes reach it (null: its hostname, as torchrun).
-    local_addr: str | None = None
-    max_restarts: Annotated[int, Ge(0)] = (
-        0  # restart the whole group this many times after a worker dies
-    )
-    monitor_interval_s: Annotated[float, Gt(0)] = 0.5
-    # c10d rendezvous timing (torch's defaults). Once MIN nodes have joined, a round waits
-    # last_call_s for more before it starts; a node that sent no keep-alive for
-    # keep_alive_s x keep_alive_attempts is dropped, and only then can a restart after a lost
-    # node form its round: the survivors restart after about the sum of the two.
-    rdzv_last_call_s: Annotated[int, Ge(1)] = 30
-    rdzv_keep_alive_s: Annotated[int, Ge(1)] = 5
-    rdzv_keep_alive_attempts: Annotated[int, Ge(1)] = 3
+    nnodes: str = MISSING  # N, or MIN:MAX (an int or a string)
+    rdzv_endpoint: str = MISSING
+    rdzv_host: bool = MISSING
+    local_addr: str | None = MISSING
+    max_restarts: Annotated[int, Ge(0)] = MISSING
+    monitor_interval_s: Annotated[float, Gt(0)] = MISSING
+    rdzv_last_call_s: Annotated[int, Ge(1)] = MISSING
+    rdzv_keep_alive_s: Annotated[int, Ge(1)] = MISSING
+    rdzv_keep_alive_attempts: Annotated[int, Ge(1)] = MISSING
 
 
 @dataclass
 class SubmititLauncherConfig(LauncherConfig):
     """One job per run (per sweep job) through hydra-submitit-launcher; one task per rank."""
 
-    name: str = MISSING
-    nproc_per_node: Annotated[int, Ge(1)] = "${launcher.tasks_per_node}"  # type: ignore[assignment]
-    tasks_per_node: Annotated[int, Ge(1)] = 2  # ranks per node (one per GPU on GPU nodes)
-    gpus_per_node: int = 0
-    cpus_per_task: int | None = None
-    mem_gb: int | None = None
-    timeout_min: Annotated[int, Ge(1)] = 60
-    # SIGUSR2 arrives this long before the time limit: the ranks save and submitit requeues.
-    signal_delay_s: int = 120
-    # requeues after hitting the time limit (preemptions are free)
-    max_num_timeout: Annotated[int, Ge(0)] = 3
-    master_port: int | None = None  # rank 0's rendezvous port; null: derived from the job id
+    tasks_per_node: Annotated[int, Ge(1)] = MISSING
+    gpus_per_node: Annotated[int, Ge(0)] = MISSING
+    cpus_per_task: Annotated[int | None, Ge(1)] = MISSING
+    mem_gb: Annotated[int | None, Ge(1)] = MISSING
+    timeout_min: Annotated[int, Ge(1)] = MISSING
+    signal_delay_s: Annotated[int, Ge(0)] = MISSING
+    max_num_timeout: Annotated[int, Ge(0)] = MISSING
+    master_port: Annotated[int | None, Ge(1)] = MISSING
 
 
 @dataclass
 class SlurmLauncherConfig(SubmititLauncherConfig):
-    name: str = "slurm"
-    nodes: Annotated[int, Ge(1)] = 1
-    partition: str | None = None  # null: the cluster's default partition
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    # Other sbatch options go to hydra.launcher directly: additional_parameters={mail-type:END},
-    # setup=[shell lines run before srun] (hydra-submitit-launcher's keys).
+    nodes: Annotated[int, Ge(1)] = MISSING
+    partition: str | None = MISSING
+    account: str | None = MISSING
+    qos: str | None = MISSING
+    constraint: str | None = MISSING
 
 
 @dataclass
 class SlurmLocalLauncherConfig(SubmititLauncherConfig):
     """submitit's local executor: the same job as launcher=slurm, on this machine, no cluster."""
-
-    name: str = "slurm_local"
 
 
 @dataclass

@@ -119,6 +119,9 @@ def _optimization(
     with settings_refused("comm", cfg.comm):
         instantiate(cfg.comm)(env=env)
     with settings_refused("optimizer", cfg.optimizer):
-        optimizer = build_optimizer(cfg.optimizer, module, lr, {"fused": False})
+        # (torch's fused kernels take no meta tensors: a model built there runs unfused)
+        meta = any(parameter.is_meta for parameter in module.parameters())
+        unfused = {"fused": False} if meta and "fused" in cfg.optimizer else {}
+        optimizer = build_optimizer(cfg.optimizer, module, lr, unfused)
     with settings_refused("scheduler", cfg.scheduler):
         instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=steps)

@@ -175,7 +175,7 @@ BAD_INPUT = [
     (["precision=fp8"], ["precision/fp8", "amp", "bf16", "fp32"]),
     (
         ["data=synthetic", "data.train_size=16", "data.val_size=4"],
-        ["data.batch_size=32", "smaller than one global batch"],
+        ["the training set (16 samples) is smaller than one global batch", "data.batch_size"],
     ),
     (["comm=powersgd", "comm.compress=fp8"], ["comm.compress='fp8'", "not one of 'fp16', 'bf16'"]),
     (["trainer.on_nonfinite=ignore"], ["trainer.on_nonfinite=ignore", "one of [stop, skip]"]),

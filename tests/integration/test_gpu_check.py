@@ -33,9 +33,17 @@ from framework.config.validation import validate
 from tests.conftest import REPO, make_cfg
 
 TOY = GPTWork(
-    layers=1, heads=2, width=16, block_size=8, stride=8, batch_size=4, warmup=1, steps=2,
-    log_every=1, peak_tflops=1.0,
-)  # fmt: skip
+    layers=1,
+    heads=2,
+    width=16,
+    block_size=8,
+    stride=8,
+    batch_size=4,
+    warmup=1,
+    steps=2,
+    log_every=1,
+    peak_tflops=1.0,
+)
 
 
 def gpu_check(tmp_path: Path) -> gpu_steps.Check:
@@ -115,8 +123,13 @@ def test_the_steady_rate_weighs_each_window_by_its_steps():
 
 def test_train_and_the_plain_loop_lead_alike():
     assert gpu_steps.alternated(3) == [
-        (0, "train"), (0, "plain"), (1, "plain"), (1, "train"), (2, "train"), (2, "plain"),
-    ]  # fmt: skip
+        (0, "train"),
+        (0, "plain"),
+        (1, "plain"),
+        (1, "train"),
+        (2, "train"),
+        (2, "plain"),
+    ]
 
 
 def test_the_gpu_tests_are_found():

@@ -156,10 +156,13 @@ def test_adding_the_framework_keeps_the_older_torch_a_project_already_has(tmp_pa
     added = run(UV, "add", REPO, cwd=project)
     assert added.returncode == 0, added.stderr[-3000:]
     versions = run(
-        UV, "run", "python", "-c",
+        UV,
+        "run",
+        "python",
+        "-c",
         "import importlib.metadata as m; print(m.version('torch'), m.version('torchvision'))",
         cwd=project,
-    )  # fmt: skip
+    )
     assert versions.stdout.split() == [f"{major}.{minor}.0", f"{vision_major}.{vision_minor}.0"]
     trained = run(UV, "run", "train", "trainer.max_steps=2", "hydra.run.dir=run", cwd=project)
     assert trained.returncode == 0, trained.stderr[-3000:]

@@ -123,17 +123,14 @@ def test_a_matrix_state_reduces_exactly_across_ranks(cli, tmp_path):
 
 MISFITS = [
     (
-        ["task=language_model"],  # (before torch loads: a shipped task with shipped data)
-        [
-            "task=language_model reads token sequences, which data=digits does not give",
-            "data=text model=gpt",
-        ],
+        ["task=language_model"],  # (the trial's, before any rank starts)
+        ["task=language_model reads (inputs, targets) of token ids", "data=text"],
     ),
     (
         ["data=diabetes", "model=ffn"],
         ["task=classification", "not integer class labels", "task=regression"],
     ),
-    (  # (model.num_classes=1 on digits is refused before torch: it does not cover 10 labels)
+    (  # (model.num_classes=1 on digits is refused by the trial: it does not cover 10 labels)
         ["data=synthetic", "data.num_classes=1", "launcher.nproc_per_node=1"],
         ["at least 2 class logits", "task=regression"],
     ),

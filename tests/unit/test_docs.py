@@ -26,9 +26,12 @@ search path of its page's commands, so a page's example files compose with its c
 
 from __future__ import annotations
 
+import ast
+import io
 import os
 import re
 import shlex
+import tokenize
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -413,3 +416,100 @@ def test_every_relative_link_and_repository_path_exists(page):
         if checkable and path not in examples and not (REPO / path).exists():
             problems.append(f"`{span}`: no such path in the repository")
     assert not problems, f"{page.relative_to(REPO)}:\n" + "\n".join(problems)
+
+
+# --- every module, file and dotted name the text names exists --------------------------------
+# A module of the framework named by its path (framework/app/composition.py, rank/build.py,
+# local/launcher.py in the tree of docs/architecture.md), by its file name (build.py), or by its
+# dotted name (framework.app.composition.OnceLoader).
+MODULE_PATH = re.compile(
+    r"(?<![\w./-])((?:framework/)?(?:app|launch|rank|components|storage|config|core|starter|"
+    r"local|torchrun|slurm|models|tasks)/(?:\w+/)*\w+\.py)\b"
+)
+FILE_NAME = re.compile(r"(?<![\w./-])(\w+\.py)\b")
+DOTTED_NAME = re.compile(r"(?<![\w.])(framework(?:\.[A-Za-z_]\w*)+)")
+# Files of other projects that pages and comments name (Hydra's, a user's project).
+OTHERS_FILES = {"utils.py", "target_policy.py", "config.py", "sitecustomize.py", "setup.py"}
+SOURCES = sorted(
+    path
+    for folder in ("framework", "hydra_plugins", "benchmarks", "tests", "launchers")
+    for path in (REPO / folder).rglob("*")
+    if path.is_file() and "__pycache__" not in path.parts
+)
+
+
+def readable_text(path: Path) -> str:
+    """What a reader reads: a page or a YAML file whole, a Python file's comments and strings
+    (its docstrings among them), not its code."""
+    if path.suffix != ".py":
+        return path.read_text()
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return "\n".join(t.string for t in tokens if t.type in (tokenize.COMMENT, tokenize.STRING))
+
+
+def top_level_names(module: Path) -> set[str]:
+    tree = ast.parse(module.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def dotted_name_exists(name: str) -> bool:
+    """framework.a.b.C: the longest prefix that is a module of the repository, and C a name it
+    binds (or a module inside it)."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        base = REPO.joinpath(*parts[:cut])
+        module = (
+            base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        )
+        if not module.is_file():
+            continue
+        rest = parts[cut:]
+        return (
+            not rest
+            or rest[0].startswith("__")
+            or rest[0] in top_level_names(module)
+            or ((base / f"{rest[0]}.py").is_file())
+        )
+    return False
+
+
+def named_but_missing(path: Path) -> list[str]:
+    text = readable_text(path)
+    framework_files = [p.relative_to(REPO).as_posix() for p in SOURCES if p.suffix == ".py"]
+    file_names = {p.name for p in SOURCES}
+    missing = [
+        ref
+        for ref in MODULE_PATH.findall(text)
+        if not any(f == ref or f.endswith("/" + ref) for f in framework_files)
+    ]
+    missing += [
+        ref for ref in FILE_NAME.findall(text) if ref not in file_names and ref not in OTHERS_FILES
+    ]
+    missing += [ref for ref in DOTTED_NAME.findall(text) if not dotted_name_exists(ref)]
+    return missing
+
+
+TEXTS = [
+    *PAGES,
+    *sorted((REPO / "conf").rglob("*.yaml")),
+    *sorted((REPO / "experiments").glob("*.yaml")),
+    *(p for p in SOURCES if p.suffix == ".py" and not p.is_relative_to(REPO / "tests")),
+]
+
+
+def test_no_page_comment_or_docstring_names_a_module_file_or_name_that_does_not_exist():
+    """A module moved or renamed leaves no text behind that sends a reader to it."""
+    stale = {
+        str(path.relative_to(REPO)): missing
+        for path in TEXTS
+        if (missing := named_but_missing(path))
+    }
+    assert stale == {}
