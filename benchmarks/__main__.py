@@ -15,6 +15,8 @@ written to benchmarks/results/<name>.json (and a PNG where it plots).
                and fsdp's step time against ddp's
     mistakes   ten typical config mistakes, --help and --cfg job as whole commands, beside the
                floor of any Hydra app (import hydra, compose once)
+    front_door what the command loads and how often it composes before it answers or runs: a
+               refused typo, a single run, a 2-job sweep
     all        every one of the above, in that order
 
     gpu        one prepared check of the CUDA path on a lent GPU, every step timed into
@@ -40,6 +42,7 @@ BENCHMARKS = (
     "command",
     "memory",
     "mistakes",
+    "front_door",
 )
 
 

@@ -35,7 +35,6 @@ from framework.app.composition import (
     OnceLoader,
     compose,
     compose_jobs,
-    refusal_of,
     search_path,
     wants_hydras_traceback,
 )
@@ -227,9 +226,9 @@ def _run(command: CommandLine, hydra: Hydra, composition: Composition | None) ->
 
 @contextlib.contextmanager
 def _hydras_errors_as_exits(hydra: Hydra):
-    """A sweep job that Hydra cannot compose is a config mistake (exit 2, one line); a failed
-    job is reported once the sweep is over (exit 1, one line); HYDRA_FULL_ERROR=1 gets Hydra's
-    traceback."""
+    """A sweep job that cannot be composed or checked is a config mistake (exit 2, one line: the
+    loader says it); a failed job is reported once the sweep is over (exit 1, one line);
+    HYDRA_FULL_ERROR=1 gets Hydra's traceback. Anything else is a fault: its traceback."""
     GlobalHydra.instance().clear()
     GlobalHydra.instance().initialize(hydra)
     try:
@@ -241,11 +240,6 @@ def _hydras_errors_as_exits(hydra: Hydra):
             raise
         print(scrub(f"error: {error}"), file=sys.stderr, flush=True)
         raise SystemExit(ExitCode.FAILED) from None
-    except Exception as error:
-        refusal = refusal_of(error, hydra.config_loader, [])
-        if refusal is None:
-            raise
-        end(refusal)
     finally:
         GlobalHydra.instance().clear()
 

@@ -93,17 +93,18 @@ class OnceLoader(ConfigLoaderImpl):
     def load_sweep_config(
         self, master_config: DictConfig, sweep_overrides: list[str]
     ) -> DictConfig:
-        made = self._made.pop(("sweep job", *sweep_overrides), None)
-        if made is not None:
-            return made
+        """A job of a sweep: composed and checked once, before Hydra uses its node; asked again
+        (the command composes every job before the sweep starts, Hydra's sweeper a batch to see
+        that it can, its launcher a job to run it), the same composition."""
+        key = ("sweep job", *sweep_overrides)
+        if key in self._jobs:
+            return self._jobs[key]
         try:
             cfg = super().load_sweep_config(master_config, sweep_overrides)
         except Exception as error:  # noqa: BLE001 (a config mistake is refused in one line)
             raise refusal_of(error, self, sweep_overrides) or error from None
         self.check_job(cfg, [*_recorded(master_config, "hydra"), *sweep_overrides])
-        # The sweeper composes a batch to see that it can; its launcher asks again to run it.
-        # (A sweeper that does not, optuna's, leaves one config per trial here.)
-        self._made[("sweep job", *sweep_overrides)] = cfg
+        self._jobs[key] = cfg
         return cfg
 
     def composed_jobs(self) -> list[DictConfig]:

@@ -348,3 +348,31 @@ def test_a_torch_optimizer_that_refuses_its_settings_is_one_line(cli, tmp_path):
         "optimizer's settings"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_composes_its_config_once_and_a_sweep_each_job_once(cli, tmp_path, monkeypatch):
+    """The composition the checks judge is the one Hydra runs (framework/app/composition.py):
+    a run composes its config once, and the shipped Hydra node it is compared with; a sweep its
+    master, that node, and each job once (Hydra's sweeper and launcher both ask for it)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    from framework.app import shipped_node
+
+    composed = []
+    compose = ConfigLoaderImpl.load_configuration
+
+    def counted(self, *args, **kwargs):
+        composed.append(args)
+        return compose(self, *args, **kwargs)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counted)
+    shipped_node._shipped_node.cache_clear()  # (composed once a process: here, once a command)
+    one_rank = ("launcher.nproc_per_node=1", "trainer.max_steps=1", "trainer.max_epochs=null")
+    run = cli(*one_rank, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(composed) == 2
+    composed.clear()
+    shipped_node._shipped_node.cache_clear()
+    sweep = cli("-m", "optimizer.lr=0.1,0.05", *one_rank, cwd=tmp_path)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    assert len(composed) == 4
