@@ -139,8 +139,8 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
     """The config's rules and Hydra's node, once. A run, and a sweep's master (what all its
     jobs share), for every rule; each job of a sweep for its keys, types, bounds and targets
     (the facts between values fail a job alone, in it). What a command only shows (--cfg,
-    --help) for its keys and types; --cfg job prints no Hydra node and runs nothing: its node
-    is checked when it runs."""
+    --help) for its keys and types; --cfg job and --help print no Hydra node and run nothing:
+    the node is checked when the config runs."""
     cfg, args = composition.cfg, command.args
     remember_secrets(cfg)  # before anything prints the config (--cfg, an error) or runs
     shows = args.cfg or args.help or args.info or args.shell_completion or args.hydra_help
@@ -153,7 +153,7 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
 
     if not shows:
         check_rules(cfg)  # (a sweep's master: what every job shares)
-    if not prints_the_job_config(args):
+    if not (args.help or prints_the_job_config(args)):  # (they print no Hydra node, run nothing)
         check_hydra_node(cfg, composition.overrides, composition.config_name)
     if not shows:
         check_config_folders(cfg)
