@@ -158,11 +158,6 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
     if not shows:
         check_config_folders(cfg)
     if composition.mode is RunMode.MULTIRUN and not shows:
-        if cfg.mode == "estimate":
-            raise ConfigError(
-                "mode=estimate prints one config's memory per rank: run it without -m (one "
-                "command per setting you would sweep)"
-            )
         compose_jobs(cfg, loader)
     check_shown_package(cfg, args)
 

@@ -13,7 +13,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import batch
@@ -74,6 +75,15 @@ def evaluation_names_a_checkpoint(cfg: DictConfig) -> str | None:
         return (
             "mode=eval evaluates a checkpoint: set checkpoint.resume=<run dir>/checkpoints/"
             "last.pt (or best.pt, or any step_*.pt)"
+        )
+    return None
+
+
+def an_estimate_is_one_config(cfg: DictConfig) -> str | None:
+    if cfg.mode == "estimate" and OmegaConf.select(cfg, "hydra.mode") == RunMode.MULTIRUN:
+        return (
+            "mode=estimate prints one config's memory per rank: run it without -m (one command "
+            "per setting you would sweep)"
         )
     return None
 
@@ -361,6 +371,7 @@ def the_objective_is_reported(cfg: DictConfig) -> str | None:
 # ranks start, how they communicate, what they write.
 RULES: tuple[Rule, ...] = (
     evaluation_names_a_checkpoint,
+    an_estimate_is_one_config,
     test_split_was_held_out,
     training_has_an_end,
     early_stopping_counts_evaluations,
