@@ -1,5 +1,6 @@
 """Hydra's node as the framework ships it: composed from the shipped files alone (Hydra's, its
-plugins' and conf/), with the same options picked where those files have them. What a
+plugins' and those of conf/ whose content is as shipped: core/config_dir.py), with the same
+options picked where those files have them. What a
 composition changed of it is judged by app/hydra_node.py."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from framework.app.config_search_path import PROJECT_PROVIDER, USER_PROVIDER
-from framework.core.config_dir import APP_FILE, CONF_DIR
+from framework.core.config_dir import APP_FILE, CONF_DIR, PRIMARY, shipped_conf_dir
 from framework.core.exits import ConfigError, first_line
 
 
@@ -28,8 +29,17 @@ def plain_node(cfg: DictConfig) -> dict[str, Any]:
 
 @functools.cache
 def _shipped_loader() -> ConfigLoaderImpl:
-    """Hydra's, its plugins' and the framework's config sources: none of the user's."""
-    found = create_automatic_config_search_path(str(APP_FILE), None, str(CONF_DIR))
+    """Hydra's, its plugins' and the framework's config sources: none of the user's, and none
+    of the files added to or edited in conf/ or experiments/ (a colleague's file there is a
+    config like any other)."""
+    conf = shipped_conf_dir()
+    if conf is None:
+        raise ConfigError(
+            f"{CONF_DIR / PRIMARY} is not the file this framework shipped (its content is not "
+            "the one conf/SHA256SUMS records): restore it (git checkout), and put your defaults "
+            "in an experiment (experiments/<name>.yaml, picked with experiment=<name>)"
+        )
+    found = create_automatic_config_search_path(str(APP_FILE), None, str(conf))
     shipped = ConfigSearchPathImpl()
     for element in found.get_path():
         if element.provider not in (PROJECT_PROVIDER, USER_PROVIDER):

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from framework.config import schemas as s
 from framework.config.resolvers import register_resolvers
-from framework.core.config_dir import CONF_DIR
+from framework.core.config_dir import CONF_DIR, is_shipped
 from framework.core.signatures import signature_of
 
 # group -> the schema of the keys the framework reads from any of its options. Stored open: an
@@ -50,12 +50,14 @@ _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 @functools.cache
 def shipped_targets() -> frozenset[str]:
     """Every framework callable a config may name: the `_target_` of each shipped option."""
-    return frozenset({*_targets_in(CONF_DIR), *BUILDING_BLOCKS})
+    return frozenset({*_shipped_targets(), *BUILDING_BLOCKS})
 
 
 def shipped_options(group: str) -> dict[str, Path]:
-    """The shipped options of `group`: name -> YAML file."""
-    return {path.stem: path for path in sorted((CONF_DIR / group).glob("*.yaml"))}
+    """The shipped options of `group`: name -> YAML file. A file added to the group's folder,
+    or edited there, is not one: its content is not what the framework shipped."""
+    found = sorted((CONF_DIR / group).glob("*.yaml"))
+    return {path.stem: path for path in found if is_shipped(path)}
 
 
 def read_option(path: Path) -> Any:
@@ -65,7 +67,7 @@ def read_option(path: Path) -> Any:
     return yaml.load(path.read_text(), Loader=_SAFE_LOADER) or {}
 
 
-def _targets_in(conf: Path) -> Iterator[str]:
+def _shipped_targets() -> Iterator[str]:
     for group in GROUP_BASES:
         for path in shipped_options(group).values():
             yield from _targets(read_option(path))
