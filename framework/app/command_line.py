@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -261,17 +262,22 @@ def _plain_values(override: Any) -> list[str] | None:
 # - mode=eval of a checkpoint: what decides which examples and weights it is evaluated on (the
 #   experiment, task, model, data and precision overrides, and EMA) comes from the training run.
 # - A resume, from the run dir (`hydra.run.dir=<a run dir>`, a sweep's job dir too) or from a
-#   checkpoint (`checkpoint.resume=<file>`): every override the run was started with but how its
-#   ranks were started (launcher, dist, hydra).
+#   checkpoint (`checkpoint.resume=<file>`): what defines the training (the experiment, its
+#   groups and keys). Loggers and where they send, how and where the ranks start (launcher,
+#   dist) and Hydra's node come from the command typed: a run dir may be someone else's copy,
+#   and its record would otherwise choose where metrics go.
+# Adopted lines are checked exactly as typed ones are (_check_typed), and the resume's first line
+# names them.
 # The command line may still set anything: an override of its own for a key the run set wins,
 # and the checkpoint's settings are then compared with it (a resume refuses a change that alters
 # training; an evaluation, one that alters the examples or the weights).
 
 # What the training run chose that decides the examples and the weights an evaluation sees.
 ADOPTED = ("experiment", "task", "model", "data", "precision", "trainer.ema_decay")
-# What a resume never takes from the record: what this command does, and how and where its
-# ranks start (a node joining another node's job in the same run dir is no resume of it).
-NOT_RESUMED = ("mode", "checkpoint.resume", "launcher", "dist", "hydra")
+# What a resume never takes from the record: what this command does, how and where its ranks
+# start (a node joining another node's job in the same run dir is no resume of it), and the
+# loggers.
+NOT_RESUMED = ("mode", "checkpoint.resume", "launcher", "dist", "hydra", "logger")
 RESUME_NOT_A_PATH = ("auto", "never", "last", "best")
 
 
@@ -298,7 +304,7 @@ def _record_of(values: dict[str, Any]) -> tuple[Path | None, Any]:
         record = training_record(Path(resume).expanduser())
     elif isinstance(run_dir, str) and resume != "never":
         found = Path(run_dir).expanduser() / ".hydra" / "overrides.yaml"
-        record = found if found.is_file() else None
+        record = found if os.path.isfile(found) else None
     else:
         record = None
     return record, lambda key: not matches_prefix(key, NOT_RESUMED)
@@ -307,9 +313,9 @@ def _record_of(values: dict[str, Any]) -> tuple[Path | None, Any]:
 def training_record(checkpoint: Path) -> Path | None:
     """The overrides.yaml of the run dir holding `checkpoint` (its checkpoints/ folder's
     parent, or any folder above)."""
-    for folder in checkpoint.resolve().parents:
+    for folder in Path(os.path.realpath(checkpoint)).parents:
         record = folder / ".hydra" / "overrides.yaml"
-        if record.is_file():
+        if os.path.isfile(record):  # (False where the name cannot be looked up at all)
             return record
     return None
 

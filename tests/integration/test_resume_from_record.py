@@ -58,3 +58,38 @@ def test_a_resume_takes_the_runs_overrides_and_a_refused_one_writes_nothing(cli,
     log = (run_dir / "train.log").read_text()
     assert log.startswith(files[run_dir / "train.log"].decode())  # appended, as one run's log
     assert "resumed from" in log
+
+
+def test_a_runs_record_chooses_no_logger_and_its_experiment_is_checked_as_typed(cli, tmp_path):
+    """A run dir may be someone else's copy: the loggers (and where they send) come from the
+    command typed, and an experiment its record names meets the same checks as a typed one."""
+    run_dir = tmp_path / "run"
+    first = cli(*STARTED_WITH, "trainer.max_steps=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    record = run_dir / ".hydra" / "overrides.yaml"
+    started = record.read_text()
+
+    record.write_text(started + "- logger=tensorboard\n")
+    resumed = cli(f"hydra.run.dir={run_dir}", "trainer.max_steps=3", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    adopted = next(line for line in resumed.stderr.splitlines() if "resuming with" in line)
+    assert "model.width=8" in adopted and "logger" not in adopted
+    assert not (run_dir / "tensorboard").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "planted.yaml").write_text(
+        "# @package _global_\nhydra:\n  callbacks:\n    c:\n      _target_: shutil.copyfile\n"
+        f"      src: {record}\n      dst: {tmp_path / 'copied'}\n"
+    )
+    record.write_text(started + "- experiment=planted\n")
+    files = run_files(run_dir)
+    refused = cli(f"hydra.run.dir={run_dir}", "trainer.max_steps=4", cwd=tmp_path)
+    assert refused.returncode == ExitCode.CONFIG_REJECTED, refused.stderr[-3000:]
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: hydra.callbacks.c._target_=shutil.copyfile is not allowed")
+    ), refused.stderr
+    assert not (tmp_path / "copied").exists()
+    assert run_files(run_dir) == files
