@@ -45,6 +45,7 @@ from framework.app.help import (
     job_config_text,
     prints_the_job_config,
 )
+from framework.app.job_values import check_resolves
 from framework.config.keys import check_keys
 from framework.config.redaction import remember_secrets
 from framework.core import launch_context, startup_clock
@@ -146,6 +147,7 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
     shows = args.cfg or args.help or args.info or args.shell_completion or args.hydra_help
     if not args.hydra_help:  # (Hydra's help composes Hydra's config alone: its node is all)
         check_keys(cfg, bounds=not shows)  # (a value out of bounds is shown as it is)
+        check_resolves(cfg)  # (shown or run: a value that cannot resolve is no config)
     # Loaded once the keys passed: a misspelt key, the commonest mistake, is refused without
     # loading the rules between keys and the check of Hydra's node (docs/benchmarks.md).
     from framework.app.hydra_node import check_hydra_node
@@ -170,6 +172,7 @@ def check_sweep_job(cfg: DictConfig, overrides: list[str]) -> None:
 
     remember_secrets(cfg)
     check_keys(cfg)
+    check_resolves(cfg)
     check_hydra_node(cfg, overrides)
 
 

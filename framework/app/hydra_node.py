@@ -4,14 +4,11 @@ on the positive list (app/hydra_settings.py), with a value its rule allows once 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Iterator, Mapping
-from enum import Enum
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import Container, DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from framework.app.hydra_settings import (
     CODE_NODES,
@@ -25,9 +22,10 @@ from framework.app.hydra_settings import (
     refusal,
     settable,
 )
+from framework.app.job_values import JobValues
 from framework.app.shipped_node import plain_node, shipped_node
 from framework.core.allowlist import iter_leaves, matches_prefix, trusted_prefixes
-from framework.core.exits import ConfigError, first_line
+from framework.core.exits import ConfigError
 
 _ABSENT = object()
 
@@ -49,7 +47,7 @@ def check_hydra_node(
     for path in changed:
         if not settable(path):
             raise ConfigError(refusal(path))
-    resolving = _Resolver(cfg)
+    resolving = JobValues(cfg)
     for judged in sorted({area(path) for path in changed}):
         if problem := area_problem(judged, resolving.value(judged), trusted):
             raise ConfigError(problem)
@@ -112,32 +110,3 @@ def _changed(real: dict[str, Any], reference: dict[str, Any]) -> list[str]:
         for path in ours.keys() | shipped.keys()
         if ours.get(path, _ABSENT) != shipped.get(path, _ABSENT)
     )
-
-
-class _Resolver:
-    """Values of the node as Hydra resolves them in a job (its number and id set), read on a
-    copy: resolving must not change the config Hydra is about to use."""
-
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = copy.deepcopy(cfg)
-        with open_dict(self.cfg.hydra.job):
-            for key, value in (("num", 0), ("id", "0")):
-                if OmegaConf.is_missing(self.cfg.hydra.job, key):
-                    self.cfg.hydra.job[key] = value
-
-    def value(self, path: str) -> Any:
-        hydra_config = HydraConfig.instance()
-        before = hydra_config.cfg
-        try:
-            hydra_config.set_config(self.cfg)  # for ${hydra:...}
-            node = OmegaConf.select(self.cfg, path, throw_on_resolution_failure=True)
-            if isinstance(node, Container):
-                return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
-            return node.name if isinstance(node, Enum) else node
-        except Exception as error:  # noqa: BLE001 (any resolver's failure: refused, named)
-            raise ConfigError(
-                f"{path} cannot be resolved before the run ({first_line(error)}): give it a "
-                "plain value"
-            ) from None
-        finally:
-            hydra_config.cfg = before

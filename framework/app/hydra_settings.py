@@ -14,12 +14,12 @@ the callables Hydra and this framework ship (or your own, through allowed_target
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from framework.app.config_search_path import searchpath_problem
 from framework.core.allowlist import matches_prefix, target_problem
+from framework.core.path_text import path_text_problem, text_problem
 
 # --- the keys a config may set --------------------------------------------------------------
 # Whole keys: the run and sweep dirs, the mode, the config folders (file:// only: pkg:// would
@@ -76,7 +76,13 @@ SETTINGS_SUMMARY = (
     "and the sweeper's numbers, hydra.job.env_set of a few variables (CUDA_VISIBLE_DEVICES, "
     "OMP_NUM_THREADS, ...), hydra.callbacks.run_dir.output_subdir and callbacks of your own"
 )
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Settable keys whose value names a folder.
+FOLDERS = (
+    "hydra.run.dir",
+    "hydra.sweep.dir",
+    "hydra.sweep.subdir",
+    f"{RUN_DIR_CALLBACK}.output_subdir",
+)
 # Keys Hydra itself writes over whatever a file said, while it composes or starts a job.
 HYDRA_WRITES = (
     "hydra.overrides",
@@ -260,8 +266,8 @@ def _value_problem(path: str, value: Any) -> str | None:
         return searchpath_problem(value)
     if not _scalar(value):
         return f"{path}={value}: give a plain value here"
-    if isinstance(value, str) and CONTROL.search(value):
-        return f"{path}={value!r}: a line break or control character is not allowed here"
+    if isinstance(value, str) and (problem := _text_problem(path, value)):
+        return f"{path}={value!r} {problem}: give another"
     if path == "hydra.sweep.subdir":
         normal = os.path.normpath(str(value))
         if os.path.isabs(normal) or normal in (".", "..") or normal.startswith("../"):
@@ -271,6 +277,10 @@ def _value_problem(path: str, value: Any) -> str | None:
         if name in ("", ".", "..") or "/" in name or "\\" in name:
             return f"{path}={name} must be a folder name inside the run dir (no /, no ..)"
     return None
+
+
+def _text_problem(path: str, value: str) -> str | None:
+    return path_text_problem(value) if path in FOLDERS else text_problem(value)
 
 
 def _callback_problem(path: str, node: Any) -> str | None:

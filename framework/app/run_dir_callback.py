@@ -19,7 +19,7 @@ from framework.config.validation import joins_other_node, require, spans_nodes
 from framework.core import launch_context
 from framework.core.exits import ConfigError, end
 from framework.launch.slurm.partition import check_cluster
-from framework.storage.run_dir import RunDir, creation_problem
+from framework.storage.run_dir import RunDir, make_folder
 
 
 class RunDirCallback(Callback):
@@ -37,8 +37,9 @@ class RunDirCallback(Callback):
         # Judged where it really is (`..` and links resolved), and used as judged.
         run = RunDir(real_path(config.hydra.run.dir))
         try:
-            _check_creatable("hydra.run.dir", run.path)
             _check_shared_run_dir(config)
+            run.note_missing_folders()
+            _make("hydra.run.dir", run.path)
             if not joins_other_node(config.launcher):  # the host node's start checks it
                 overrides = list(config.hydra.overrides.task)
                 run.check_reusable(config, sweep_job=False, overrides=overrides)
@@ -46,14 +47,13 @@ class RunDirCallback(Callback):
             end(error, rank=launch_context.current().global_rank())
         with read_write(config.hydra.run):
             config.hydra.run.dir = str(run.path)
-        run.note_missing_folders()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:  # before anything is submitted
             sweep_dir = real_path(config.hydra.sweep.dir)
-            _check_creatable("hydra.sweep.dir", sweep_dir)
             check_sweep_dir(sweep_dir, list(config.hydra.overrides.task))
             check_cluster(config.launcher)
+            _make("hydra.sweep.dir", sweep_dir)
         except ConfigError as error:
             end(error)
         redact_multirun_master(config)  # the sweeper saves it next, as multirun.yaml
@@ -136,6 +136,6 @@ def _check_inside_sweep_dir(job_dir: Path, sweep_dir: Path) -> None:
     )
 
 
-def _check_creatable(setting: str, path: Path) -> None:
-    problem = creation_problem(path)
-    require(problem is None, f"{setting}={path} cannot be created: {problem}; choose another")
+def _make(setting: str, path: Path) -> None:
+    problem = make_folder(path)
+    require(problem is None, f"{setting}={path} cannot be created ({problem}): choose another")

@@ -25,11 +25,12 @@ from framework.config.resolvers import gpu_count
 from framework.core import launch_context
 from framework.core.devices import visible_gpus
 from framework.core.exits import ConfigError
+from framework.core.path_text import path_text_problem
 from framework.core.signatures import class_literal
 
 __all__ = ["check_keys", "check_rules", "validate"]
 
-CPU_RANKS_PER_CORE = 4  # beyond this a CPU run only thrashes (launcher.oversubscribe insists)
+PROCESSES_PER_CORE = 4  # beyond this a CPU run only thrashes (launcher.oversubscribe insists)
 RUN_METRICS = {"samples_per_s": "max", "wall_s": "min"}  # objectives every run reports
 # The shipped callables some rules name.
 ALLREDUCE = "framework.components.comm.Comm"
@@ -155,7 +156,7 @@ def resume_names_a_checkpoint(cfg: DictConfig) -> str | None:
     if resume in ("auto", "never"):
         return None
     path = Path(resume).expanduser()
-    if path.is_file() or (path / ".metadata").is_file():  # DCP's index: a sharded one
+    if os.path.isfile(path) or os.path.isfile(path / ".metadata"):  # DCP's index: sharded
         return None
     return (
         f"checkpoint.resume={resume} is no checkpoint: give a checkpoint file or folder "
@@ -200,28 +201,28 @@ def one_launcher_per_srun_step(cfg: DictConfig) -> str | None:
     )
 
 
-def ranks_fit_this_machine(cfg: DictConfig) -> str | None:
-    """The launchers that start their ranks on this machine: a rank count it cannot hold
-    (each rank a process with its own model; on GPUs one device each) is refused before a
-    single process is forked."""
+def processes_fit_this_machine(cfg: DictConfig) -> str | None:
+    """The launchers that start their ranks on this machine: processes it cannot hold (each
+    rank, and each of its DataLoader workers, a process with a copy of the rank; on GPUs one
+    device a rank) are refused before a single one is forked."""
     launcher = cfg.launcher
-    nproc = launcher.nproc_per_node
-    if launcher.name not in ("local", "torchrun") or launcher.oversubscribe or nproc <= 1:
+    if launcher.name not in ("local", "torchrun") or launcher.oversubscribe:
         return None
-    if gpus := gpu_count():
-        if nproc <= gpus:
-            return None
+    nproc, workers = launcher.nproc_per_node, cfg.data.num_workers
+    if (gpus := gpu_count()) and nproc > gpus:
         return (
             f"launcher.nproc_per_node={nproc}: this machine has {gpus} GPU(s) and each rank "
             f"drives one; use launcher.nproc_per_node<={gpus}, or launcher.oversubscribe=true "
             "to share them"
         )
     cores = len(os.sched_getaffinity(0))
-    if nproc <= CPU_RANKS_PER_CORE * cores:
+    processes, most = nproc * (1 + workers), PROCESSES_PER_CORE * cores
+    if processes <= most or (processes == nproc and nproc == 1):
         return None
     return (
-        f"launcher.nproc_per_node={nproc} is far more ranks than this machine's {cores} CPU "
-        f"cores hold (at most {CPU_RANKS_PER_CORE * cores}): lower it, or set "
+        f"launcher.nproc_per_node={nproc} with data.num_workers={workers} is {processes} "
+        f"processes (each rank and each of its DataLoader workers), far more than this "
+        f"machine's {cores} CPU cores hold (at most {most}): lower them, or set "
         "launcher.oversubscribe=true to insist"
     )
 
@@ -381,7 +382,7 @@ RULES: tuple[Rule, ...] = (
     resume_names_a_checkpoint,
     nccl_has_a_gpu,
     one_launcher_per_srun_step,
-    ranks_fit_this_machine,
+    processes_fit_this_machine,
     an_elastic_range_restarts,
     every_node_finds_the_rendezvous,
     slurm_tasks_drive_one_gpu_each,
@@ -513,6 +514,8 @@ def file_name_problem(filename: str) -> str | None:
     does."""
     if not filename or Path(filename).name != filename or filename in (".", ".."):
         return "must be a file name in the run dir (no folder, no ..)"
+    if problem := path_text_problem(filename):
+        return problem
     if filename in RUN_DIR_NAMES or filename.startswith("."):
         return "is a file the run writes itself: choose another name (metrics.csv)"
     return None

@@ -205,7 +205,7 @@ class RunDir:
         """Before Hydra makes the run dir: the folders it will make for it (the dated parents
         of outputs/<date>/<time>), which a rejected start may remove again."""
         for folder in (self.path, *self.path.parents):
-            if folder.exists():
+            if _exists(folder):
                 break
             _MADE_FOR_RUNS.add(folder.resolve())
 
@@ -358,18 +358,24 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def creation_problem(path: Path) -> str | None:
-    """Why `path` cannot be created as a run dir (its nearest existing folder is a file or not
-    writable), or None. Checked before Hydra creates it, which would end in a traceback."""
-    existing = path
-    while not _exists(existing) and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a file, not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    longest = os.pathconf(existing, "PC_NAME_MAX")
-    for part in path.relative_to(existing).parts:
-        if len(os.fsencode(part)) > longest:
-            return f"its folder name {part[:40]}... is longer than the {longest} bytes allowed"
+def make_folder(path: Path) -> str | None:
+    """Make `path` and its missing parents, before Hydra would (whose mkdir ends in a
+    traceback); why it cannot be made, or None. The file system is the judge (a file in the
+    way, no permission, a name too long, a parent that cannot exist such as /proc/x): where it
+    refuses, what was made for it is removed again."""
+    missing = []
+    while not _exists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    made: list[Path] = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as error:
+            for own in reversed(made):
+                own.rmdir()
+            return f"{folder}: {error.strerror}"
+        made.append(folder)
     return None

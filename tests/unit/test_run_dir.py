@@ -482,12 +482,23 @@ def test_a_run_stopped_before_its_first_checkpoint_is_continued_by_the_same_comm
         run.check_reusable(composed(), sweep_job=False, overrides=["trainer.max_steps=9"])
 
 
-def test_a_folder_name_longer_than_the_file_system_allows_cannot_be_created(tmp_path):
-    from framework.storage.run_dir import creation_problem
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("made/" + "x" * 300 + "/run", "File name too long"),
+        ("a_file/made/run", "Not a directory"),
+        ("/proc/nope/run", "No such file or directory"),
+    ],
+)
+def test_a_folder_the_file_system_refuses_is_named_and_leaves_nothing(tmp_path, where, expected):
+    from framework.storage.run_dir import make_folder
 
-    problem = creation_problem(tmp_path / ("x" * 300) / "run")
-    assert problem is not None and "is longer than the 255 bytes allowed" in problem
-    assert creation_problem(tmp_path / "fine" / "run") is None
+    (tmp_path / "a_file").write_text("mine\n")
+    problem = make_folder(tmp_path / where)
+    assert problem is not None and expected in problem
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a_file"]
+    assert make_folder(tmp_path / "fine" / "run") is None
+    assert (tmp_path / "fine" / "run").is_dir()
 
 
 def runs_own_names() -> list[str]:

@@ -1,0 +1,64 @@
+"""The config's values as a job will resolve them, before any job starts: every value of the
+config resolves here or the command is refused, in one line, on every path (a run, a sweep,
+--cfg job, --help, mode=eval, mode=estimate, a resume), where it would otherwise fail inside
+Hydra's job or a rank, in a traceback."""
+
+from __future__ import annotations
+
+import copy
+from enum import Enum
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import Container, DictConfig, OmegaConf, open_dict
+
+from framework.core.exits import ConfigError, first_line
+
+# What a job has that a command does not yet: its number, id and output dir (`${hydra:job.num}`
+# in a config resolves to these while checked).
+JOB_RUNTIME = {"job.num": 0, "job.id": "0", "runtime.output_dir": "."}
+
+
+class JobValues:
+    """Values of the config as Hydra resolves them in a job, read on a copy: resolving must not
+    change the config Hydra is about to use."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = copy.deepcopy(cfg)
+        for key, value in JOB_RUNTIME.items():
+            section, name = key.split(".")
+            node = self.cfg.hydra[section]
+            with open_dict(node):
+                if OmegaConf.is_missing(node, name) or name not in node:
+                    node[name] = value
+
+    def value(self, path: str) -> Any:
+        """The value at `path` (dotted), resolved; a section as plain containers."""
+        hydra_config = HydraConfig.instance()
+        before = hydra_config.cfg
+        try:
+            hydra_config.set_config(self.cfg)  # for ${hydra:...}
+            node = OmegaConf.select(self.cfg, path, throw_on_resolution_failure=True)
+            if isinstance(node, Container):
+                return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+            return node.name if isinstance(node, Enum) else node
+        except Exception as error:  # noqa: BLE001 (any resolver's failure: refused, named)
+            raise ConfigError(
+                f"{_key_of(error, path)} cannot be resolved before the run ({first_line(error)}): "
+                "give it a plain value, or set what it reads"
+            ) from None
+        finally:
+            hydra_config.cfg = before
+
+
+def _key_of(error: Exception, path: str) -> str:
+    return str(getattr(error, "full_key", None) or path)
+
+
+def check_resolves(cfg: DictConfig) -> None:
+    """Every value of the config (Hydra's node aside: app/hydra_node.py resolves what of it a
+    config changed) resolves as the job will resolve it."""
+    values = JobValues(cfg)
+    for key in cfg:
+        if key != "hydra":
+            values.value(str(key))
