@@ -11,6 +11,9 @@ forward (1-based; with grad_accum=1 that is optimizer step <step>):
   SIGxxx          that signal to itself
   parent-SIGxxx   that signal to its launcher (`train`, or the torchrun agent)
   group-SIGINT    SIGINT to its whole process group, as a terminal's Ctrl-C does
+  busy-SIGKILL    it makes the DataLoader workers of data=gated_synthetic busy with their next
+                  items (they take a minute each while FRAMEWORK_TEST_GATE's file exists), and
+                  gets SIGKILL a second later, as from the memory killer
 The variable is read when the model is built, so a resumed run without it runs clean.
 """
 
@@ -20,13 +23,16 @@ import os
 import random
 import resource
 import signal
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from framework.components.data import Splits, synthetic
 from framework.components.models import GPT, MLP
 
 FAULT_ENV = "FRAMEWORK_TEST_FAULT"
@@ -142,6 +148,10 @@ def cap_memory_once() -> None:
 
 
 def _act(kind: str) -> None:
+    if kind == "busy-SIGKILL":
+        Path(os.environ[GATE_ENV]).touch()
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return
     if kind == "slow":
         time.sleep(0.3)
         return
@@ -197,3 +207,27 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"weights differ: {different}"
+
+
+class GatedItems(torch.utils.data.Dataset):
+    """A dataset whose items take a minute each while FRAMEWORK_TEST_GATE's file exists: a
+    slow file system or decoder, which keeps a DataLoader worker busy inside an item."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int):
+        if os.path.exists(os.environ.get(GATE_ENV, "")):
+            time.sleep(60)
+        return self.dataset[index]
+
+
+def gated_synthetic(
+    train_size: int, val_size: int, in_channels: int, image_size: int, num_classes: int, seed: int
+) -> Splits:
+    """data=synthetic, its training items behind the gate (GatedItems)."""
+    splits = synthetic(train_size, val_size, in_channels, image_size, num_classes, seed)
+    return Splits(train=GatedItems(splits.train), val=splits.val)

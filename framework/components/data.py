@@ -12,11 +12,13 @@ samples that default_collate cannot (variable-length sequences: `PadSequences`; 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import inspect
 import logging
 import math
+import os
 import pickle
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -38,6 +40,7 @@ from torch.utils.data import (
 )
 
 from framework.core.launch_context import DistEnv
+from framework.core.parent_death import die_with_parent
 
 log = logging.getLogger("framework")
 # The shares a data option holds out: some of it for validation, none or some for a test split.
@@ -381,6 +384,8 @@ def _loader_options(data_cfg, device: torch.device, collate_fn: Callable | None)
     workers = data_cfg["num_workers"]
     return {
         "num_workers": workers,
+        # No worker outlives its rank (core/parent_death.py).
+        "worker_init_fn": functools.partial(die_with_parent, os.getpid()) if workers else None,
         "pin_memory": bool(data_cfg["pin_memory"]) and device.type == "cuda",
         "persistent_workers": bool(data_cfg["persistent_workers"]) and workers > 0,
         "collate_fn": collate_fn,

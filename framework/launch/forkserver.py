@@ -13,14 +13,13 @@ training stack (torch._dynamo and what is built on it).
 from __future__ import annotations
 
 import atexit
-import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import signal
 import sys
 
 from framework.core import launch_context
+from framework.core.parent_death import die_with_parent
 
 START_METHOD = "forkserver"
 # What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
@@ -42,25 +41,13 @@ def _leave_without_teardown() -> None:
     os._exit(0)
 
 
-_PR_SET_PDEATHSIG = 1  # prctl(2)
-
-
-def _die_with_the_launcher(launcher: int) -> None:
-    """The server ends the moment its launcher does, even in the middle of its imports: a
-    command that refuses its config exits at once, and the server holding its output streams
-    would keep a caller reading them waiting for those imports (seconds). The kernel delivers
-    the signal; the ranks forked later do not inherit it (they watch the launcher themselves:
-    launcher_watch.py)."""
-    prctl = getattr(ctypes.CDLL(None), "prctl", None)
-    if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != launcher:  # the launcher ended before the signal was asked for
-        os._exit(0)
-
-
 _launcher = os.environ.pop(_SERVER_MARK, None)  # set, in the server, to the launcher's pid
 if _launcher:
-    _die_with_the_launcher(int(_launcher))
+    # The server ends the moment its launcher does, even in the middle of its imports: a
+    # command that refuses its config exits at once, and the server holding its output streams
+    # would keep a caller reading them waiting for those imports (seconds). The ranks forked
+    # later do not inherit it (they watch the launcher themselves: launcher_watch.py).
+    die_with_parent(int(_launcher))
     # Registered before the preloads import anything else: their handlers run first (atexit
     # runs in reverse order), then this one skips the interpreter's teardown.
     atexit.register(_leave_without_teardown)

@@ -163,7 +163,7 @@ BAD_INPUT = [
     (["optimizer.lr=abc"], ["optimizer.lr", "abc"]),
     (["trainer.unknown_key=1"], ["unknown_key"]),
     (["launcher.nproc_per_node=0"], ["launcher.nproc_per_node=0", ">= 1"]),
-    (["launcher.nproc_per_node=1000"], ["far more ranks", "launcher.oversubscribe=true"]),
+    (["launcher.nproc_per_node=1000"], ["far more than this", "launcher.oversubscribe=true"]),
     (["trainer.grad_accum=0"], ["trainer.grad_accum=0", ">= 1"]),
     (["data=cifar10"], ["data.root", "cifar-10-batches-py", "data.download=true"]),
     (["comm=powersgd", "comm.rank=0"], ["comm.rank=0", ">= 1"]),

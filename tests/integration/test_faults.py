@@ -17,7 +17,7 @@ import torch
 
 from framework.core.exits import ExitCode
 from tests.conftest import DIST_ENV_VARS, FAULTS, REPO, read_metrics, run_cli
-from tests.faults import FAULT_ENV, assert_same_weights, final_weights
+from tests.faults import FAULT_ENV, GATE_ENV, assert_same_weights, final_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 STOPPED, INTERRUPTED = ExitCode.STOPPED, ExitCode.INTERRUPTED
@@ -298,3 +298,24 @@ def test_ranks_of_an_external_torchrun_leave_when_its_agent_is_sigkilled(tmp_pat
     assert result.returncode == -9
     assert "the launcher (pid" in result.stderr
     assert (run_dir / "checkpoints" / "last.pt").exists()
+
+
+@pytest.mark.parametrize("fault", ["busy-SIGKILL:1:5", "parent-SIGKILL:0:5"], ids=["rank", "train"])
+def test_no_dataloader_worker_outlives_a_killed_rank_or_launcher(tmp_path, fault):
+    """SIGKILL, as the memory killer sends it, to a rank whose workers are busy inside an item
+    (a slow file), or to `train` itself: each rank's DataLoader workers, and the resource
+    tracker they keep open, leave with it within seconds."""
+    try:
+        result = run_cli(
+            *FAULTS,
+            *ENDLESS,
+            "data._target_=tests.faults.gated_synthetic",
+            "data.num_workers=2",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            cwd=tmp_path,
+            env={FAULT_ENV: fault, GATE_ENV: str(tmp_path / "gate")},
+            timeout=120,
+        )
+    finally:
+        assert_no_process_left_within(3, tmp_path)
+    assert result.returncode != 0
