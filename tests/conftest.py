@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch.distributed as dist
@@ -47,6 +48,19 @@ USER_SETTINGS = ("WANDB_", "MLFLOW_", "HYDRA_FULL_ERROR", "FRAMEWORK_CONFIG_PATH
 # for a user's project: configs may trust them only because the environment says so
 # (docs/security.md: this repository's tests are never trusted by a config alone).
 os.environ["FRAMEWORK_TRUSTED_PACKAGES"] = "tests"
+
+
+def in_ci() -> bool:
+    """CI=true (GitHub Actions, GitLab, most CI systems; .ci/run exports it)."""
+    return os.environ.get("CI", "").strip().lower() in {"true", "1"}
+
+
+def unavailable(reason: str) -> NoReturn:
+    """A test whose setup cannot start here (a SLURM cluster, network namespaces): skipped with
+    the reason, but failed under CI, where a green run must mean that it ran."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI=true: this test must run in CI)", pytrace=False)
+    pytest.skip(reason)
 
 
 # A sitecustomize for PYTHONPATH: importing torch (or torchvision) fails in the interpreters a

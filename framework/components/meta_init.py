@@ -356,6 +356,7 @@ def materialize(recipe: Recipe, modules: list[nn.Module]) -> int:
             whole = replay.tensor(recipe.state[name])
             for target in targets:
                 _fill(target[name], whole)
+            del whole  # the storage is the replay's to drop: no name may keep it alive
         for storage in plan.free_after.get(index, ()):
             replay.drop(storage)
     return replay.peak_bytes

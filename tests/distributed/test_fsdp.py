@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,14 @@ def test_fsdp_on_two_ranks_reproduces_ddp_on_two_ranks(tmp_path, model):
     assert fsdp[ddp["objective"]] == pytest.approx(ddp[ddp["objective"]], rel=1e-5)
 
 
-def test_fsdp_with_ema_bf16_best_k_and_a_test_split_runs_and_resumes_bit_exactly(tmp_path):
-    """EMA (sharded like the model), precision=bf16 (FSDP's mixed precision), best-K and the
-    test on the best checkpoint's weights; a run stopped at step 4 and resumed to 8 matches
-    the one run straight to 8, loss for loss."""
+def test_fsdp_with_ema_bf16_and_best_k_resumed_halfway_ends_with_the_straight_runs_weights(
+    tmp_path,
+):
+    """EMA (sharded like the model), precision=bf16 (FSDP's mixed precision), best-K by
+    val/loss and the test on the best checkpoint's weights: a run stopped at step 4 and resumed
+    to 8 ends as the one run straight to 8 does, bit for bit: its final weights and its EMA's
+    (each restored from its own shards), every validation metric (computed with the EMA), the
+    best checkpoints kept with their scores, the losses and the test metrics."""
     overrides = (
         "model=cnn",
         "model.width=8",
@@ -88,20 +93,48 @@ def test_fsdp_with_ema_bf16_best_k_and_a_test_split_runs_and_resumes_bit_exactly
         "precision=bf16",
         "trainer.ema_decay=0.9",
         "trainer.eval_every=2",
+        "objective=val/loss",  # differs at every evaluation: the best two are not ties
         "checkpoint.best=2",
         "checkpoint.every=2",
         "trainer.on_nonfinite=skip",
     )
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     straight, first_half = train_many(
         [
-            (make_cfg(*overrides, "trainer.max_steps=8"), tmp_path / "straight"),
-            (make_cfg(*overrides, "trainer.max_steps=4"), tmp_path / "resumed"),
+            (make_cfg(*overrides, "trainer.max_steps=8"), straight_dir),
+            (make_cfg(*overrides, "trainer.max_steps=4"), resumed_dir),
         ]
     )
-    (resumed,) = train_many([(make_cfg(*overrides, "trainer.max_steps=8"), tmp_path / "resumed")])
+    (resumed,) = train_many([(make_cfg(*overrides, "trainer.max_steps=8"), resumed_dir)])
     assert first_half["steps"] == 4 and resumed["steps"] == straight["steps"] == 8
-    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "straight")
-    assert resumed["test/accuracy"] == straight["test/accuracy"]
+    assert train_losses(resumed_dir) == train_losses(straight_dir)
+    for ema in (False, True):
+        expected = whole_weights(straight_dir / "checkpoints" / "last.pt", ema=ema)
+        got = whole_weights(resumed_dir / "checkpoints" / "last.pt", ema=ema)
+        assert got.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(got[name], tensor), f"{'ema' if ema else 'model'}: {name}"
+    assert validation(resumed_dir) == validation(straight_dir)
+    assert sorted(validation(straight_dir)) == [2, 4, 6, 8]
+    assert best_kept(resumed_dir) == best_kept(straight_dir)
+    assert len(best_kept(straight_dir)) == 2
+    for key in ("test/loss", "test/accuracy", "test/weights"):
+        assert resumed[key] == straight[key], key
     assert straight["test/weights"].startswith("best checkpoint")
-    evaluations = [e for e in read_metrics(tmp_path / "straight") if "val/accuracy" in e]
-    assert [e["step"] for e in evaluations] == [2, 4, 6, 8]
+
+
+def validation(run_dir: Path) -> dict[int, dict[str, float]]:
+    """Every evaluation's val/* metrics, by step."""
+    return {
+        event["step"]: {key: value for key, value in event.items() if key.startswith("val/")}
+        for event in read_metrics(run_dir)
+        if "val/loss" in event
+    }
+
+
+def best_kept(run_dir: Path) -> dict[str, float]:
+    """The best checkpoints kept (checkpoint.best), with their scores."""
+    return {
+        sidecar.stem: json.loads(sidecar.read_text())["score"]
+        for sidecar in (run_dir / "checkpoints" / "best").glob("step_*.json")
+    }

@@ -57,6 +57,10 @@ CASES = {
         "task.sample_tokens=0",
     ),
 }
+# The positive control: logging every step reads the window's sums and the non-finite flag
+# back (the logging step's one read), so the same window must count reads here.
+LOGGING_EVERY_STEP = "logging-every-step"
+CONTROL = {LOGGING_EVERY_STEP: (*TINY, "trainer.log_every=1")}
 
 
 def _count_in_rank(rank: int, world_size: int, port: int, jobs: list, found: dict) -> None:
@@ -91,14 +95,24 @@ def test_steady_state_steps_read_nothing_the_device_computed(steady_runs, name):
         assert reads == [], f"rank {rank} read the device: {reads}"
 
 
+def test_the_same_window_counts_the_reads_of_a_run_that_logs_every_step(steady_runs):
+    """Guards the test above against a window that never opens (steps that are never reached,
+    a loop that no longer steps through train_step): there, too, nothing would be counted.
+    Steps 3-10 are logged, and each reads the window's sums summed over the ranks back once, on
+    every rank (the look for non-finite values they ride on is collective)."""
+    for rank in (0, 1):
+        reads = steady_runs[f"{LOGGING_EVERY_STEP}/{rank}"]
+        assert reads.count("Tensor.tolist") == 8, f"rank {rank}: {reads}"
+
+
 @pytest.fixture(scope="module")
 def steady_runs(tmp_path_factory):
     import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("steady")
     jobs = []
-    for name, overrides in CASES.items():
-        cfg = make_cfg(*overrides, *STEADY)
+    for name, overrides in {**CASES, **CONTROL}.items():
+        cfg = make_cfg(*STEADY, *overrides)
         prepare_run(cfg, root / name)
         jobs.append((name, cfg, root / name))
     found = mp.Manager().dict()

@@ -1,4 +1,5 @@
-"""Every precision x comm combination on 2 CPU ranks, and what each does to accuracy."""
+"""Every precision x comm combination on 2 CPU ranks, what each does to accuracy, and the
+loop's update order (unscale, then clip) measured in the weights it moves."""
 
 from __future__ import annotations
 
@@ -79,6 +80,48 @@ def test_reduced_precision_steps_update_fp32_master_weights(combination_runs, pr
     flat = torch.cat([t.flatten() for t in weights])
     representable = (flat.to(LOW_PRECISION[precision]).float() == flat).float().mean().item()
     assert representable < 0.05, representable
+
+
+# Plain SGD (no momentum, no decay) at a constant lr, the gradient clipped to a norm far below
+# its own: each applied update then moves the weights by exactly lr x CLIP_NORM.
+CLIP_NORM = 0.01
+PLAIN_CLIPPED_SGD = (
+    *TINY,
+    "model=mlp",
+    "data.batch_size=8",
+    "optimizer.momentum=0.0",
+    "optimizer.weight_decay=0.0",
+    "scheduler=constant",
+    f"trainer.clip_grad_norm={CLIP_NORM}",
+    "trainer.max_steps=2",
+    "checkpoint.every=1",
+)
+
+
+def test_the_loops_update_clips_the_unscaled_gradient_so_amp_moves_the_weights_as_fp32_does(
+    tmp_path,
+):
+    """Runner.update itself (framework/rank/loop.py): the weights move from step 1's checkpoint
+    to step 2's by lr x clip_grad_norm under amp as under fp32. Clipping amp's gradients while
+    they are still scaled by 65536 and unscaling them after would move them 65536 times less."""
+    jobs = [
+        (make_cfg(*PLAIN_CLIPPED_SGD, f"precision={precision}"), tmp_path / precision)
+        for precision in ("fp32", "amp")
+    ]
+    train_many(jobs)
+    for _, run_dir in jobs:
+        [step_2] = [e for e in read_metrics(run_dir) if e["step"] == 2 and "lr" in e]
+        assert step_2["precision/skipped_steps"] == 0, run_dir.name
+        before, after = (
+            torch.load(run_dir / "checkpoints" / f"step_0000000{step}.pt", weights_only=True)
+            for step in (1, 2)
+        )
+        moved = torch.cat(
+            [(after["model"][name] - tensor).flatten() for name, tensor in before["model"].items()]
+        )
+        assert moved.norm().item() == pytest.approx(step_2["lr"] * CLIP_NORM, rel=1e-3), (
+            run_dir.name
+        )
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from tests.conftest import (
     read_metrics,
     train_in_process,
     train_losses,
+    unavailable,
 )
 from tests.faults import FAULT_ENV, GATE_ENV, assert_same_weights, final_weights
 from tests.integration.test_faults import assert_no_process_left_within
@@ -41,7 +42,7 @@ def _ip(*args: str) -> None:
 def two_hosts():
     """Namespaces <prefix>a and <prefix>b, veth <prefix>a <-> <prefix>b; removed afterwards."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to create network namespaces")
+        unavailable("needs root and iproute2 to create network namespaces")
     prefix = f"fw{os.getpid() % 100000}"
     names = {host: f"{prefix}{host}" for host in HOSTS}
     try:
@@ -56,7 +57,7 @@ def two_hosts():
     except subprocess.CalledProcessError as error:
         for name in names.values():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {error.stderr.strip()}")
+        unavailable(f"cannot create network namespaces here: {error.stderr.strip()}")
     yield names
     for name in names.values():
         subprocess.run(["ip", "netns", "del", name], capture_output=True)

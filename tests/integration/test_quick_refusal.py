@@ -131,6 +131,30 @@ def train_without_torch(tmp_path: Path, *args: str) -> subprocess.CompletedProce
     )
 
 
+def test_under_the_guard_a_command_that_imports_torch_fails_and_a_spared_one_does_not(tmp_path):
+    """The positive control of every test here that runs `train` under the guard (and of
+    test_cli.py's, which spares the fork server): a guard that refused nothing would let them
+    all pass with torch imported. A run on one rank imports torch in the command itself."""
+    run = train_without_torch(tmp_path, ONE_RANK, "trainer.max_steps=1")
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == "ImportError: torch was imported"
+    find_torch = "import importlib.util; print(importlib.util.find_spec('torchvision').origin)"
+    guard = torch_refused(tmp_path / "sparing", spared="multiprocessing.forkserver")
+    for words, refused in (((), True), (("multiprocessing.forkserver",), False)):
+        found = subprocess.run(
+            [sys.executable, "-c", find_torch, *words],
+            env=command_env(PYTHONPATH=guard),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if refused:
+            assert found.stderr.strip().splitlines()[-1] == "ImportError: torchvision was imported"
+        else:
+            assert found.returncode == 0, found.stderr
+            assert found.stdout.strip().endswith("torchvision/__init__.py")
+
+
 def refusal_without_torch(tmp_path: Path, command: str) -> str:
     """The one line `train <command>` is refused with, before anything imports torch (one rank,
     so no fork server imports it either). Exit 2 and no run dir are checked here."""

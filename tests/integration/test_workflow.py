@@ -29,6 +29,18 @@ WORKFLOW = (
     "checkpoint.every=8",
 )
 
+# AdamW's four parameter groups (decay or not, the head at 10x the lr) on the cosine schedule,
+# profiled at steps 3-4; a checkpoint at step 3 to resume from.
+GROUPS = (
+    *WORKFLOW,
+    "optimizer=adamw",
+    "+optimizer.lr_multipliers={head.*:10.0}",
+    "trainer.profile_steps=[3,4]",
+    "trainer.max_steps=6",
+    "checkpoint.best=0",
+    "checkpoint.every=3",
+)
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -46,14 +58,7 @@ def runs(tmp_path_factory):
             "trainer.early_stopping.min_delta=1e-3",
             "objective=val/loss",
         ),
-        "groups": (
-            *WORKFLOW,
-            "optimizer=adamw",
-            "+optimizer.lr_multipliers={head.*:10.0}",
-            "trainer.profile_steps=[3,4]",
-            "trainer.max_steps=6",
-            "checkpoint.best=0",
-        ),
+        "groups": GROUPS,
     }
     summaries = train_many(
         [(make_cfg(*overrides), root / name) for name, overrides in jobs.items()]
@@ -107,7 +112,7 @@ def test_early_stopping_ends_every_rank_at_one_step_saves_and_says_why(runs):
     assert [e["step"] for e in read_metrics(run_dir) if "val/loss" in e] == [4, 8, 12]
 
 
-def test_parameter_groups_without_decay_on_biases_and_with_lr_multipliers_resume_exactly(runs):
+def test_parameter_groups_without_decay_on_biases_and_with_lr_multipliers(runs):
     _, run_dir = runs["groups"]
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     groups = saved["optimizer"]["param_groups"]
@@ -121,6 +126,48 @@ def test_parameter_groups_without_decay_on_biases_and_with_lr_multipliers_resume
     assert groups[2]["initial_lr"] == pytest.approx(10 * groups[0]["initial_lr"])
     trace = next((run_dir / "profile").glob("*.pt.trace.json"))
     assert "traceEvents" in json.loads(trace.read_text())
+
+
+def test_a_run_with_several_lr_groups_resumed_from_step_3_ends_with_the_straight_runs_state(
+    runs, tmp_path
+):
+    """The run above, resumed from its step 3 checkpoint into a new run dir on the cosine
+    schedule: steps 4-6 log the same losses, and its last checkpoint holds the same weights,
+    the same AdamW state and the same lr in each of the four groups, bit for bit."""
+    _, straight_dir = runs["groups"]
+    step_3 = straight_dir / "checkpoints" / "step_00000003.pt"
+    resumed_dir = tmp_path / "resumed"
+    train_many([(make_cfg(*GROUPS, f"checkpoint.resume={step_3}"), resumed_dir)])
+    logged = {
+        e["step"]: (e["train/loss"], e["lr"]) for e in read_metrics(straight_dir) if "lr" in e
+    }
+    assert {
+        e["step"]: (e["train/loss"], e["lr"]) for e in read_metrics(resumed_dir) if "lr" in e
+    } == {step: logged[step] for step in (4, 6)}
+    straight, resumed = (
+        torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+        for run_dir in (straight_dir, resumed_dir)
+    )
+    assert resumed["step"] == straight["step"] == 6
+    assert_equal_tensors(resumed["model"], straight["model"])
+    assert_equal_tensors(resumed["optimizer"]["state"], straight["optimizer"]["state"])
+    groups = [(g["initial_lr"], g["lr"]) for g in straight["optimizer"]["param_groups"]]
+    assert [(g["initial_lr"], g["lr"]) for g in resumed["optimizer"]["param_groups"]] == groups
+    initial_lrs = [initial_lr for initial_lr, _ in groups]
+    assert initial_lrs == pytest.approx([1e-3, 1e-3, 1e-2, 1e-2])  # the head's groups at 10x
+    assert resumed["scheduler"] == straight["scheduler"]
+
+
+def assert_equal_tensors(got, expected, where: str = "") -> None:
+    """Two nested dicts of tensors and plain values, equal bit for bit."""
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(got, expected), where
+    elif isinstance(expected, dict):
+        assert got.keys() == expected.keys(), where
+        for key, value in expected.items():
+            assert_equal_tensors(got[key], value, f"{where}/{key}")
+    else:
+        assert got == expected, where
 
 
 def test_mode_eval_of_a_checkpoint_equals_the_runs_own_evaluation_and_writes_beside_it(

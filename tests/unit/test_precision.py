@@ -65,7 +65,8 @@ def test_fp32_and_bf16_step_with_the_gradient_clipped_to_its_norm(kind):
 def clipped_step(
     precision: Precision, optimizer: torch.optim.Optimizer, parameter, clip_grad_norm
 ) -> None:
-    """The update as the loop makes it (framework/rank/loop.py: Runner.update)."""
+    """The update as the loop makes it (framework/rank/loop.py: Runner.update), for the precision
+    objects alone; the loop's own order: tests/distributed/test_precision_comm.py."""
     precision.unscale(optimizer)
     if clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_([parameter], clip_grad_norm)
