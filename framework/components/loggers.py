@@ -9,6 +9,7 @@ or requeued run continues the same W&B run, MLflow run, TensorBoard log and CSV 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -17,6 +18,7 @@ import os
 import secrets
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol
 
@@ -295,8 +297,9 @@ class MLflowSink(_Guarded):
         name = None if resume_id else scrub(run_name or run.path.name)
         try:
             mlflow.set_tracking_uri(uri)
-            mlflow.set_experiment(experiment)
-            self.run_id = mlflow.start_run(run_id=resume_id, run_name=name).info.run_id
+            with _first_answer_bounded():
+                mlflow.set_experiment(experiment)
+                self.run_id = mlflow.start_run(run_id=resume_id, run_name=name).info.run_id
         except (MlflowException, OSError, ValueError) as error:  # not a traceback: the URI
             setting = "logger.mlflow.tracking_uri" if tracking_uri else "$MLFLOW_TRACKING_URI"
             raise ConfigError(
@@ -322,6 +325,23 @@ class MLflowSink(_Guarded):
 
     def close(self) -> None:
         self._guarded(self.mlflow.end_run)
+
+
+# MLflow's client retries a request 7 times over about 4 minutes, a line each: a server that does
+# not answer when the run starts is a wrong URI or a server not started, said in one line within
+# seconds. Once the run has started, its own retries (or the environment's) ride out a blip.
+FIRST_ANSWER = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+
+
+@contextlib.contextmanager
+def _first_answer_bounded() -> Iterator[None]:
+    unset = [name for name in FIRST_ANSWER if name not in os.environ]
+    os.environ.update({name: FIRST_ANSWER[name] for name in unset})
+    try:
+        yield
+    finally:
+        for name in unset:
+            os.environ.pop(name, None)
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:

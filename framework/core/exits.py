@@ -13,7 +13,7 @@ One table for every entry path (a single process, a spawned rank, a torchrun ran
 | a bug or fault on this rank     | any other        | 1         | that rank: its traceback       |
 | a peer vanished mid-collective  | (by its message) | 3         | nobody: the peer or launcher   |
 | a collective timed out          | (by its message) | 4         | that rank: one line            |
-| out of memory (host or GPU)     | (by its message) | 5         | that rank: one line            |
+| out of memory (host or GPU)     | (by its message) | 5         | its launcher, once (or rank)   |
 
 A rank that only lost its peers exits quietly: "connection closed by peer" from every survivor
 would bury the one message that matters. A launcher reads its ranks' exit codes back into one
@@ -253,8 +253,9 @@ def root_cause(
         )
     starved = [rank for rank, code in causes if code == ExitCode.OUT_OF_MEMORY]
     if starved:
-        line = messages.get(starved[0], f"rank {starved[0]} ran out of memory (see above)")
-        return OutOfMemory(line, reported=True)
+        if told := [rank for rank in starved if rank in messages]:  # not printed: said once
+            return OutOfMemory(messages[told[0]])
+        return OutOfMemory(f"rank {starved[0]} ran out of memory (see above)", reported=True)
     stops = (ExitCode.STOPPED, ExitCode.INTERRUPTED)
     stopped = [code for _, code in causes if code in stops]
     if stopped and all(code in (*stops, 0) for _, code in causes):

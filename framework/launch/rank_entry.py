@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from omegaconf import DictConfig
 
 from framework.core.exits import (
+    ExitCode,
     Outcome,
     OutOfMemory,
     Rejected,
@@ -77,9 +78,13 @@ def report(error: BaseException, env: DistEnv, timeout_s: float, store=None) -> 
     if isinstance(error, SystemExit):
         raise error
     outcome = outcome_of(error, env.rank, timeout_s)
-    announce(outcome)
-    if outcome.reason and store is not None:
+    told = bool(outcome.reason) and store is not None
+    if told:
         tell_launcher(store, env.rank, outcome.reason)
+    # Every rank of a ddp job runs out of memory at the same step: the launcher that reads
+    # their reasons says the first once, instead of a line from each.
+    if not (told and outcome.code == ExitCode.OUT_OF_MEMORY):
+        announce(outcome)
     return outcome
 
 

@@ -29,11 +29,14 @@ def test_a_rank_out_of_memory_prints_one_line_and_exits_5():
     assert outcome.reason == line.removeprefix("error: ")
 
 
-def test_the_launcher_exits_5_and_repeats_nothing_the_rank_said():
+def test_the_launcher_says_once_what_the_ranks_told_it_and_exits_5():
     said = outcome_of(host_allocation_failure(), rank=1).reason
-    cause = root_cause([ExitCode.PEER_LOST, ExitCode.OUT_OF_MEMORY], messages={1: said})
+    cause = root_cause([ExitCode.OUT_OF_MEMORY, ExitCode.OUT_OF_MEMORY], messages={1: said})
     assert isinstance(cause, OutOfMemory) and str(cause) == said
-    assert outcome_of(cause) == Outcome(ExitCode.OUT_OF_MEMORY, printed=None, reason=None)
+    assert outcome_of(cause) == Outcome(ExitCode.OUT_OF_MEMORY, printed=f"error: {said}")
+    # A rank that could not tell it printed its line: the launcher repeats nothing.
+    untold = root_cause([ExitCode.PEER_LOST, ExitCode.OUT_OF_MEMORY])
+    assert outcome_of(untold) == Outcome(ExitCode.OUT_OF_MEMORY, printed=None, reason=None)
 
 
 def test_a_constructor_refusing_its_settings_is_a_config_mistake_but_a_lost_peer_is_not():
