@@ -6,6 +6,8 @@ Hydra's job or a rank, in a traceback."""
 from __future__ import annotations
 
 import copy
+import re
+from collections.abc import Iterator
 from enum import Enum
 from typing import Any
 
@@ -13,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import Container, DictConfig, OmegaConf, open_dict
 
 from framework.core.exits import ConfigError, first_line
+from framework.core.path_text import path_text_problem, text_problem
 
 # What a job has that a command does not yet: its number, id and output dir (`${hydra:job.num}`
 # in a config resolves to these while checked).
@@ -56,9 +59,38 @@ def _key_of(error: Exception, path: str) -> str:
 
 
 def check_resolves(cfg: DictConfig) -> None:
-    """Every value of the config (Hydra's node aside: app/hydra_node.py resolves what of it a
-    config changed) resolves as the job will resolve it."""
+    """Every value of the config (of Hydra's node, the folders the job makes: app/hydra_node.py
+    resolves what else of it a config changed) resolves as the job will resolve it, and every
+    text among them is text a file system and a terminal take (core/path_text.py; a key named
+    as a path, as a path)."""
     values = JobValues(cfg)
-    for key in cfg:
-        if key != "hydra":
-            values.value(str(key))
+    for key in [*(str(key) for key in cfg if key != "hydra"), *HYDRA_FOLDERS]:
+        for path, leaf in _leaves(values.value(key), key):
+            if isinstance(leaf, str) and (problem := _text_problem(path, leaf)):
+                raise ConfigError(f"{path} {problem}: give another value")
+
+
+# The folders the job makes (whatever the command: a value that cannot be one is refused alike).
+HYDRA_FOLDERS = ("hydra.run.dir", "hydra.sweep.dir")
+
+
+# Keys whose value names a file, a folder or a server, by their name (data.root,
+# logger.csv.filename, checkpoint.resume, logger.mlflow.tracking_uri).
+PATH_KEY = re.compile(r"(dir|root|path|file|filename|resume|uri|url)$")
+
+
+def _text_problem(path: str, text: str) -> str | None:
+    if PATH_KEY.search(path.rsplit(".", 1)[-1]):
+        return path_text_problem(text)
+    return text_problem(text)
+
+
+def _leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _leaves(value, f"{path}[{index}]")
+    else:
+        yield path, node

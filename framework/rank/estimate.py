@@ -27,7 +27,7 @@ from framework.components.ledger import MIB, Ledger, activation_bytes, local_byt
 from framework.components.ledger import optimizer_tensors as state_tensors
 from framework.components.optim import build_optimizer
 from framework.components.tasks import first_batch
-from framework.rank.build import preserved_rng, seed_everything
+from framework.rank.build import built, preserved_rng, seed_everything
 
 META = torch.device("meta")
 
@@ -50,8 +50,8 @@ def estimate_ledgers(cfg: DictConfig, world_size: int) -> tuple[list[Ledger], in
     parameter count."""
     seed_everything(cfg.trainer.seed)
     with torch.device(META):
-        module = instantiate(cfg.model)
-    strategy = instantiate(cfg.strategy)
+        module = built("model", cfg.model)
+    strategy = built("strategy", cfg.strategy)
     saved, peak = micro_batch_activations(cfg, strategy)
     sharded = strategy.name == "fsdp" and world_size > 1
     whole = {id(p): tuple(p.shape) for p in module.parameters()}
@@ -91,14 +91,14 @@ def micro_batch_activations(cfg: DictConfig, strategy: Any) -> tuple[int, int]:
     chosen as the real ones, and no memory): the meta device would pick other kernels (its
     attention keeps the whole attention matrix where the CPU's fused kernel keeps a row sum)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    task = instantiate(cfg.task)
+    task = built("task", cfg.task)
     splits = load_splits(cfg.data)
     collate_node = cfg.data.get("collate_fn")
     collate = instantiate(collate_node) if collate_node is not None else None
     batch = first_batch(splits.train, cfg.data.batch_size, collate)
     fake = FakeTensorMode()
     with preserved_rng(), fake, torch.device(device):
-        module = instantiate(cfg.model)
+        module = built("model", cfg.model)
         strategy.checkpoint_activations(module)
         inputs = tree_map(fake.from_tensor, to_device(batch, device))
         return activation_bytes(lambda: task.loss(module.train(), inputs).total)
