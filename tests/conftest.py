@@ -22,6 +22,7 @@ from framework.config import CONF_DIR
 from framework.config.registry import register_configs
 from framework.config.validation import validate
 from framework.launch import forked, forkserver
+from tests.time_budget import TimeBudget
 
 REPO = Path(__file__).resolve().parent.parent
 DIST_ENV_VARS = (
@@ -220,6 +221,7 @@ def exit_code_of_train() -> int:
 # the suite's CPU) run with --all, a -m or -k expression of one's own, --lf, or in the paths one
 # names. CI runs them all (.ci/run). README: Tests.
 QUICK_TESTS = "not slow"
+TIME_BUDGET = "time-budget"
 SLOW_LEFT_OUT = pytest.StashKey[bool]()
 MARK_EXPRESSION = "framework_mark_expression"
 
@@ -245,6 +247,7 @@ def pytest_configure(config) -> None:
         config.option.markexpr = config.workerinput.get(MARK_EXPRESSION, config.option.markexpr)
     else:
         _leave_slow_tests_out_unless_asked(config)
+        config.pluginmanager.register(TimeBudget(), TIME_BUDGET)
     if _is_xdist_controller(config) or config.option.collectonly:
         return
     forkserver.warm_up()
@@ -277,6 +280,9 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
             "The slow tests (multi-process, end to end) were left out: "
             "`uv run pytest --all` runs them, as CI does."
         )
+    elif (budget := config.pluginmanager.get_plugin(TIME_BUDGET)) is not None:
+        for line in budget.lines():
+            terminalreporter.write_line(line)
 
 
 def _is_xdist_worker(config) -> bool:
