@@ -246,6 +246,8 @@ def test_an_explicit_checkpoint_that_is_broken_or_from_another_model_is_one_clea
 
 # Long enough to train for minutes unsupervised if the ranks did not notice their launcher's death.
 ENDLESS = ("trainer.max_steps=200000", "checkpoint.every=0", "trainer.log_every=100")
+# DataLoader workers that a kill may find busy in an item (tests/faults.py: GatedItems).
+BUSY_WORKERS = ("data._target_=tests.faults.gated_synthetic", "data.num_workers=2")
 
 
 def assert_no_process_left_within(seconds: float, tmp_path: Path) -> None:
@@ -262,12 +264,14 @@ def assert_no_process_left_within(seconds: float, tmp_path: Path) -> None:
 @pytest.mark.parametrize("launcher", ["local", "torchrun"])
 def test_ranks_stop_and_save_when_train_is_sigkilled(tmp_path, launcher):
     """The OOM killer or a closed terminal ends `train` with SIGKILL: its ranks notice within
-    seconds, stop as on SIGTERM (saving), and leave (framework/launch/launcher_watch.py)."""
+    seconds, stop as on SIGTERM (saving), and leave (framework/launch/launcher_watch.py), their
+    DataLoader workers with them."""
     run_dir = tmp_path / "run"
     try:
         result = run_cli(
             *FAULTS,
             *ENDLESS,
+            *BUSY_WORKERS,
             f"launcher={launcher}",
             f"hydra.run.dir={run_dir}",
             cwd=tmp_path,
@@ -300,20 +304,18 @@ def test_ranks_of_an_external_torchrun_leave_when_its_agent_is_sigkilled(tmp_pat
     assert (run_dir / "checkpoints" / "last.pt").exists()
 
 
-@pytest.mark.parametrize("fault", ["busy-SIGKILL:1:5", "parent-SIGKILL:0:5"], ids=["rank", "train"])
-def test_no_dataloader_worker_outlives_a_killed_rank_or_launcher(tmp_path, fault):
+def test_no_dataloader_worker_outlives_a_rank_killed_while_its_workers_are_busy(tmp_path):
     """SIGKILL, as the memory killer sends it, to a rank whose workers are busy inside an item
-    (a slow file), or to `train` itself: each rank's DataLoader workers, and the resource
-    tracker they keep open, leave with it within seconds."""
+    (a slow file): they, and the resource tracker they keep open, leave with it within seconds.
+    (`train` killed with its ranks' workers: test_ranks_stop_and_save_when_train_is_sigkilled.)"""
     try:
         result = run_cli(
             *FAULTS,
             *ENDLESS,
-            "data._target_=tests.faults.gated_synthetic",
-            "data.num_workers=2",
+            *BUSY_WORKERS,
             f"hydra.run.dir={tmp_path / 'run'}",
             cwd=tmp_path,
-            env={FAULT_ENV: fault, GATE_ENV: str(tmp_path / "gate")},
+            env={FAULT_ENV: "busy-SIGKILL:1:5", GATE_ENV: str(tmp_path / "gate")},
             timeout=120,
         )
     finally:
