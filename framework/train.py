@@ -101,6 +101,10 @@ def _main() -> None:
     finally:
         if cleanup_dir is not None:
             shutil.rmtree(cleanup_dir, ignore_errors=True)
+    if isinstance(here, launch_context.TorchElastic):  # a rank in a process of its own
+        from framework.launch.rank_entry import exit_now  # (a rank: the stack is imported)
+
+        exit_now(ExitCode.DONE)  # every other way out of a rank leaves so too
 
 
 def checked(

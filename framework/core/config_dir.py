@@ -75,19 +75,30 @@ def is_shipped(path: Path) -> bool:
 @functools.cache
 def shipped_conf_dir() -> Path | None:
     """A folder holding the shipped files alone: CONF_DIR itself when nothing there was added
-    or edited, else a copy of what still is as shipped (removed at exit). None when the primary
-    config itself is not the shipped one."""
+    or edited, else a copy of what still is as shipped (removed at exit: remove_shipped_copy).
+    None when the primary config itself is not the shipped one."""
     shipped = shipped_files()
     if PRIMARY not in shipped:
         return None
     if shipped.keys() == present_files().keys():
         return CONF_DIR
     copy = Path(tempfile.mkdtemp(prefix="framework-shipped-conf-"))
-    atexit.register(shutil.rmtree, copy, ignore_errors=True)
+    _COPIES.append(copy)
+    atexit.register(remove_shipped_copy)
     for name, path in shipped.items():
         (copy / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, copy / name)
     return copy
+
+
+_COPIES: list[Path] = []
+
+
+def remove_shipped_copy() -> None:
+    """The copy shipped_conf_dir made, removed as the process leaves: at exit, or by a rank
+    that leaves without the interpreter's shutdown (launch/rank_entry.py's exit_now)."""
+    while _COPIES:
+        shutil.rmtree(_COPIES.pop(), ignore_errors=True)
 
 
 def write_manifest() -> None:

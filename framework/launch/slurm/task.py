@@ -64,7 +64,11 @@ def task_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
         return enter_rank(cfg, run_dir, env, stop_exit_code=0)
     try:
         try_here(cfg, env.world_size)
-        return enter_rank(cfg, run_dir, env, own_process=False)
+        summary = enter_rank(cfg, run_dir, env, own_process=False)
+        # submitit still writes the JobReturn; then leave without the interpreter's shutdown
+        # (launch/rank_entry.py, exit_now: gloo's threads and a last collection race there).
+        atexit.register(exit_now, ExitCode.DONE)
+        return summary
     except Stopped as stop:
         failure = _requeue_or_exit(stop)
     except (Rejected, NonFiniteLoss) as error:  # rank 0 already logged a NonFiniteLoss
