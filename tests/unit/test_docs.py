@@ -513,3 +513,8 @@ def test_no_page_comment_or_docstring_names_a_module_file_or_name_that_does_not_
         if (missing := named_but_missing(path))
     }
     assert stale == {}
+
+
+def test_the_readme_stays_a_front_door():
+    """At most 3,000 words (as `wc -w` counts them): the rest has its page in docs/."""
+    assert len((REPO / "README.md").read_text().split()) <= 3000
