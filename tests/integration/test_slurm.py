@@ -2,7 +2,8 @@
 
 Skipped, with the reason, where no cluster answers; failed instead under CI=true, so a green
 CI means they ran. The jobs are real sbatch array jobs whose srun tasks are the ranks of 2-rank
-gloo groups."""
+gloo groups. The two jobs of a sweep run side by side: on one node, its cores must take both
+(launchers/slurm_cluster.sh lets jobs share them)."""
 
 from __future__ import annotations
 
@@ -53,64 +54,97 @@ def slurm_cluster() -> None:
 SLURM = ("launcher=slurm", "launcher.tasks_per_node=2", "launcher.timeout_min=10")
 
 
-def test_a_two_job_sweep_runs_each_job_as_two_srun_tasks_and_fails_a_job_out_of_time_outs(
+def test_a_two_job_sweep_comes_back_from_requeue_and_preemption_and_fails_a_job_out_of_time_outs(
     tmp_path, fault_references
 ):
-    """One SLURM array job of two elements, each two srun tasks. Job 0 trains as a local run
-    does. Job 1 (max_steps=40) holds at its step 31 until SIGUSR2 as before a time limit: with
-    launcher.max_num_timeout=0 it saves, submitit refuses to requeue, and the sweep reports it
-    failed instead of waiting, its checkpoint kept. (One sweep for both: every job start costs
-    a full import of the training stack.)"""
+    """One SLURM array job of two elements, each two srun tasks, side by side. Both hold at their
+    9th step in each start (FRAMEWORK_TEST_GATE) until a signal, so each is acted on at a known
+    step:
+    - job 0: `scontrol requeue` (SIGTERM; SLURM requeues). It comes back, resumes from its
+      checkpoint in the same dir and W&B run, and ends with the losses and weights of an
+      uninterrupted run (the local launcher's).
+    - job 1: SIGUSR2 as before a time limit. The ranks save and submitit requeues (its one
+      time-out, launcher.max_num_timeout=1); it comes back and resumes alike. A second SIGUSR2
+      finds no time-out left: submitit refuses, and the sweep reports the job failed instead of
+      waiting, its checkpoint kept.
+    (One sweep for all: every job start costs a full import of the training stack, and the two
+    jobs' requeues wait out SLURM's hold at the same time.)"""
     gate = tmp_path / "gate"
-    gate.touch()  # job 0 never reaches step 31, so only job 1 holds
-    env = {FAULT_ENV: "hold:0:31", GATE_ENV: str(gate)}
-    overrides = ("trainer.max_steps=30,40", "launcher.max_num_timeout=0")
+    gate.touch()
+    env = {
+        FAULT_ENV: "hold:0:9",
+        GATE_ENV: str(gate),
+        "WANDB_MODE": "offline",
+        "WANDB_API_KEY": None,
+    }
+    # Two jobs that train alike (checkpoint.keep only decides how many files stay), so both
+    # compare with the one uninterrupted reference run.
+    overrides = ("checkpoint.keep=3,4", "logger=wandb", "launcher.max_num_timeout=1")
     with _sweep_in_background(tmp_path, *overrides, env=env) as (sweep_process, sweep):
-        _wait_for_step(sweep / "1", 30, sweep_process, timeout=300)
-        subprocess.run(
-            ["scancel", "--signal=USR2", f"{_array_id(sweep)}_1"], check=True, timeout=30
+        jobs = (sweep / "0", sweep / "1")
+        for run_dir in jobs:  # each holds in its 9th step: 8 logged
+            _wait_for_step(run_dir, 8, sweep_process, timeout=180)
+        array_id = _array_id(sweep)
+        _slurm("scontrol", "requeue", f"{array_id}_0")
+        _slurm("scancel", "--signal=USR2", f"{array_id}_1")
+        # Back from the requeues (SLURM holds a requeued job about 6 s), each resumed and holding
+        # again 9 steps on.
+        for job, run_dir in enumerate(jobs):
+            _wait_until(
+                lambda job=job: len(_resumed_steps(sweep, job)) == 1,
+                f"job {job} resumed",
+                sweep_process,
+                180,
+            )
+            _wait_for_step(run_dir, _resumed_steps(sweep, job)[0] + 8, sweep_process, timeout=180)
+        _slurm("scancel", "--signal=USR2", f"{array_id}_1")
+        # Job 1 has stopped (on the signal, not at its end) before job 0 may go on to its end.
+        _wait_until(
+            lambda: len(_stopped_steps(sweep, 1, "SIGUSR2")) == 2,
+            "job 1 stopped twice",
+            sweep_process,
+            180,
         )
+        gate.unlink()
         _, stderr = sweep_process.communicate(timeout=300)
     assert sweep_process.returncode == 1, stderr[-3000:]
     assert "timed-out too many times" in stderr and "Traceback" not in stderr
     rows = summary_rows(sweep)
-    assert [(row["job"], row["status"], row["trainer.max_steps"]) for row in rows] == [
-        ("0", "completed", "30"),
-        ("1", "failed", "40"),
-    ]
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "completed"), ("1", "failed")]
     assert "stopped on SIGUSR2 at step" in rows[1]["error"]
     assert (sweep / "1" / "checkpoints" / "last.pt").exists()
     # One SLURM array job (<id>_<element>), two tasks per element, each task one rank.
-    array_id = _array_id(sweep)
     logs = sorted(path.name for path in sweep.glob(".submitit/*/*_log.err"))
     assert logs == [f"{array_id}_{job}_{task}_log.err" for job in (0, 1) for task in (0, 1)]
-    for job in (0, 1):  # the second job waited in the queue for the first
-        logged, since_task_start = _startup_of(sweep / ".submitit" / f"{array_id}_{job}")
-        assert logged <= since_task_start + 2.0  # (the rank's log times are whole seconds)
 
+    # Each job came back once, from the checkpoint of the step where it stopped; job 1 stopped
+    # a second time, for good.
+    stopped = [_stopped_steps(sweep, 0, "SIGTERM"), _stopped_steps(sweep, 1, "SIGUSR2")]
+    assert [len(steps) for steps in stopped] == [1, 2]
+    assert [_resumed_steps(sweep, job) for job in (0, 1)] == [steps[:1] for steps in stopped]
     local = fault_references["allreduce"]  # the same experiment, run by the local launcher's ranks
-    assert train_losses(sweep / "0") == train_losses(local)
-    assert read_metrics(sweep / "0")[-1]["val/accuracy"] == read_metrics(local)[-1]["val/accuracy"]
-
-
-def _array_id(sweep: Path) -> str:
-    """The SLURM array job's id, from submitit's folders (<id>_<element>)."""
-    return sorted(sweep.glob(".submitit/*_0"))[0].name.removesuffix("_0")
-
-
-def _startup_of(task_logs: Path) -> tuple[float, float]:
-    """Rank 0's start-up line ("start-up: 9.8 s to the first step"), and the seconds from the
-    moment submitit started the task to the moment that line was logged: a task counts its
-    start-up from its own start, not from the command that submitted it."""
-    out = next(task_logs.glob("*_0_log.out")).read_text()
-    started = re.search(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\) - Starting with", out)
-    started_at = datetime.strptime(started.group(1), "%Y-%m-%d %H:%M:%S,%f")
-    err = next(task_logs.glob("*_0_log.err")).read_text()
-    line = re.search(r"\[(\d\d:\d\d:\d\d)\]\[rank 0\] start-up: ([\d.]+) s to the first step", err)
-    clock = datetime.strptime(line.group(1), "%H:%M:%S").time()
-    logged_at = datetime.combine(started_at.date(), clock)
-    since_start = (logged_at - started_at).total_seconds() % 86400  # (past midnight)
-    return float(line.group(2)), since_start
+    ends = (30, stopped[1][-1])
+    for run_dir, end in zip(jobs, ends, strict=True):  # every step once, as in one straight run
+        assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e] == list(
+            range(1, end + 1)
+        )
+        assert train_losses(run_dir) == train_losses(local)[:end]
+    assert read_metrics(jobs[0])[-1]["val/accuracy"] == read_metrics(local)[-1]["val/accuracy"]
+    assert_same_weights(final_weights(jobs[0]), final_weights(local))
+    # One W&B run per job, each continued by the job's second start.
+    runs = []
+    for run_dir in jobs:
+        segments = sorted((run_dir / "wandb").glob("offline-run-*"))
+        runs.append({segment.name.rsplit("-", 1)[1] for segment in segments})
+        assert len(segments) == 2 and len(runs[-1]) == 1
+    assert runs[0] != runs[1]
+    # A task counts its start-up from its own start, not from the command that submitted it
+    # (which a requeued start follows by a whole run and SLURM's hold).
+    for job in (0, 1):
+        startups = _startups_of(sweep / ".submitit" / f"{array_id}_{job}")
+        assert len(startups) == 2
+        for logged, since_task_start in startups:
+            assert logged <= since_task_start + 2.0  # (the rank's log times are whole seconds)
 
 
 def test_a_missing_partition_is_refused_before_anything_is_submitted(cli, tmp_path):
@@ -121,21 +155,33 @@ def test_a_missing_partition_is_refused_before_anything_is_submitted(cli, tmp_pa
     assert "Traceback" not in result.stderr and not (tmp_path / "multirun").exists()
 
 
-def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").exists():
-            steps = [e["step"] for e in read_metrics(run_dir) if "train/loss" in e]
-            if steps and steps[-1] >= step:
-                return
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {timeout} s")
+def _slurm(*command: str) -> None:
+    subprocess.run(command, check=True, timeout=30)
 
 
-def _job_id(sweep: Path) -> str:
-    [folder] = [path for path in sweep.glob(".submitit/*") if path.name[0].isdigit()]
-    return folder.name
+def _array_id(sweep: Path) -> str:
+    """The SLURM array job's id, from submitit's folders (<id>_<element>)."""
+    return sorted(sweep.glob(".submitit/*_0"))[0].name.removesuffix("_0")
+
+
+def _startups_of(task_logs: Path) -> list[tuple[float, float]]:
+    """For each start of the job: rank 0's start-up line ("start-up: 9.8 s to the first step"),
+    and the seconds from the moment submitit started the task to the moment that line was
+    logged."""
+    out = next(task_logs.glob("*_0_log.out")).read_text()
+    starts = re.findall(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\) - Starting with", out)
+    err = next(task_logs.glob("*_0_log.err")).read_text()
+    lines = re.findall(
+        r"\[(\d\d:\d\d:\d\d)\]\[rank 0\] start-up: ([\d.]+) s to the first step", err
+    )
+    assert len(starts) == len(lines), (starts, lines)
+    startups = []
+    for started, (clock, logged) in zip(starts, lines, strict=True):
+        started_at = datetime.strptime(started, "%Y-%m-%d %H:%M:%S,%f")
+        logged_at = datetime.combine(started_at.date(), datetime.strptime(clock, "%H:%M:%S").time())
+        since_start = (logged_at - started_at).total_seconds() % 86400  # (past midnight)
+        startups.append((float(logged), since_start))
+    return startups
 
 
 @contextlib.contextmanager
@@ -170,44 +216,44 @@ def _sweep_in_background(tmp_path: Path, *overrides: str, env: dict[str, str | N
                 subprocess.run(["scancel", folder.name], timeout=30)
 
 
-def test_a_requeued_and_a_preempted_job_resume_in_the_same_run_dir_and_wandb_run(
-    tmp_path, fault_references
-):
-    """`scontrol requeue` (SIGTERM; SLURM requeues) and SIGUSR2 as before a time limit (the
-    ranks save, submitit requeues): each time the job comes back, resumes from its checkpoint
-    and ends with the weights of an uninterrupted run."""
-    env = {FAULT_ENV: "slow:0:1", "WANDB_MODE": "offline", "WANDB_API_KEY": None}
-    overrides = ("logger=wandb", "launcher.max_num_timeout=1")
-    with _sweep_in_background(tmp_path, *overrides, env=env) as (sweep_process, sweep):
-        run_dir = sweep / "0"
-        _wait_for_step(run_dir, 9, sweep_process, timeout=120)
-        job_id = _job_id(sweep)
-        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
-        # Back from the requeue: the log says so, then SIGUSR2 to the job's tasks.
-        deadline = time.monotonic() + 240
-        while "resumed from" not in _rank0_log(sweep) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert "resumed from" in _rank0_log(sweep)
-        resumed_at = _resumed_steps(sweep)[0]
-        _wait_for_step(run_dir, resumed_at + 3, sweep_process, timeout=120)
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
-        stdout, stderr = sweep_process.communicate(timeout=400)
-    assert sweep_process.returncode == 0, stderr[-3000:]
-    assert [row["status"] for row in summary_rows(sweep)] == ["completed"]
-    assert len(_resumed_steps(sweep)) == 2  # came back twice, each time from a checkpoint
-    assert_same_weights(final_weights(run_dir), final_weights(fault_references["allreduce"]))
-    assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e] == list(range(1, 31))
-    segments = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(segments) == 3 and len({s.name.rsplit("-", 1)[1] for s in segments}) == 1
+def _wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float) -> None:
+    def reached() -> bool:
+        if not (run_dir / "metrics.jsonl").exists():
+            return False
+        steps = [e["step"] for e in read_metrics(run_dir) if "train/loss" in e]
+        return bool(steps) and steps[-1] >= step
+
+    _wait_until(reached, f"{run_dir.name}: step {step}", process, timeout)
 
 
-def _rank0_log(sweep: Path) -> str:
-    return "".join(path.read_text() for path in sweep.glob(".submitit/*/*_0_log.err"))
+def _wait_until(condition, what: str, process: subprocess.Popen, timeout: float) -> None:
+    """Until condition() holds. Fails at once if the sweep's process ended, and after timeout s
+    with the queue in the message (a cluster whose jobs cannot share a node's cores holds job 1
+    back while job 0 holds)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        if time.monotonic() > deadline:
+            queue = subprocess.run(
+                ["squeue", "--format=%i %T %r"], capture_output=True, text=True, timeout=30
+            )
+            raise AssertionError(f"{what}: not after {timeout} s. squeue:\n{queue.stdout}")
+        time.sleep(0.2)
 
 
-def _resumed_steps(sweep: Path) -> list[int]:
+def _rank0_log(sweep: Path, job: int) -> str:
+    """What rank 0 of the sweep's job logged, every start of it."""
+    return "".join(path.read_text() for path in sweep.glob(f".submitit/*_{job}/*_{job}_0_log.err"))
+
+
+def _resumed_steps(sweep: Path, job: int) -> list[int]:
     return [
-        int(line.split(" at step ")[1].split()[0])
-        for line in _rank0_log(sweep).splitlines()
-        if "resumed from" in line
+        int(step) for step in re.findall(r"resumed from \S+ at step (\d+)", _rank0_log(sweep, job))
+    ]
+
+
+def _stopped_steps(sweep: Path, job: int, signal: str) -> list[int]:
+    return [
+        int(step)
+        for step in re.findall(rf"stopped on {signal} at step (\d+)", _rank0_log(sweep, job))
     ]
