@@ -76,14 +76,16 @@ def warm_up_if_forking(argv: list[str]) -> None:
 
 def will_start_local_ranks(argv: list[str]) -> bool:
     """From the command line alone (before Hydra composes): does this command start ranks on
-    this machine? Not for a submission to SLURM, one process, or a command that prints."""
+    this machine? Not for a submission to SLURM, one process of the local launcher, or a
+    command that prints."""
     if any(
         arg.startswith(("--cfg", "--help", "-h", "--info", "--hydra-help", "-c"))
         or arg in ("--shell-completion", "-sc")
         for arg in argv
     ):
         return False
-    return not any(
-        arg in ("launcher=slurm", "launcher=slurm_local", "launcher.nproc_per_node=1")
-        for arg in argv
-    )
+    if any(arg in ("launcher=slurm", "launcher=slurm_local") for arg in argv):
+        return False
+    # One process under the local launcher; torch's elastic agent forks even one rank per node
+    # from the server.
+    return "launcher.nproc_per_node=1" not in argv or "launcher=torchrun" in argv

@@ -12,18 +12,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from framework.core import startup_clock
 from tests.conftest import (
     DIST_ENV_VARS,
     FAULTS,
     REPO,
-    make_cfg,
     read_metrics,
-    train_in_process,
     train_losses,
     unavailable,
 )
@@ -116,19 +116,20 @@ def test_torchrun_across_two_namespaces_trains_like_a_local_two_rank_job(
     assert_same_weights(final_weights(run_dir), final_weights(reference))
 
 
-# An elastic job of 1 to 2 nodes, 1 rank each. Rank 0 sleeps 0.3 s per step from its 5th
-# (tests/faults.py): time to see a checkpoint and kill the other node mid-training (the 14 steps
-# after the checkpoint leave it 4 s), and the survivor's pace too. 4 steps per epoch on 2
-# ranks: the checkpoint at step 6 is mid-epoch, so the single rank left continues the epoch
-# from its global sample position (the second half of epoch 1).
+# An elastic job of 1 to 2 nodes, 1 rank each: node a hosts the rendezvous, and its rank is rank
+# 0 (the rendezvous numbers the nodes in the order of their addresses). 4 steps per epoch on 2
+# ranks: the checkpoint at step 6 is mid-epoch, so the single rank left continues the epoch from
+# its global sample position (the second half of epoch 1).
 ELASTIC_STEPS = 20
 ELASTIC = (
     *FAULTS,
     f"trainer.max_steps={ELASTIC_STEPS}",
     "checkpoint.every=6",
     "checkpoint.keep=100",  # the checkpoint the restart resumed from is still there at the end
-    # A node that vanishes without closing its connections is noticed when a collective times out.
-    "dist.timeout_s=10",
+    # A node that vanishes without closing its connections is noticed when a collective times
+    # out. Both ranks start together (the rendezvous starts them) and wait for each other only
+    # tenths of a second before the gate.
+    "dist.timeout_s=5",
 )
 RENDEZVOUS = (
     "launcher=torchrun",
@@ -136,11 +137,12 @@ RENDEZVOUS = (
     "launcher.nproc_per_node=1",
     "launcher.max_restarts=1",
     f"launcher.rdzv_endpoint={HOSTS['a']}:29556",
-    # A lost node is dropped after 1 s x 3 missed keep-alives; a round then starts 5 s after
-    # its first node joined: the survivor trains again about 10 s after the loss.
+    # A lost node is dropped after 1 s x 3 missed keep-alives; a round then starts 3 s after
+    # its first node joined. The nodes of this test join a round together only after a join,
+    # where the waiting node joins within a second (it polls the rendezvous once a second).
     "launcher.rdzv_keep_alive_s=1",
     "launcher.rdzv_keep_alive_attempts=3",
-    "launcher.rdzv_last_call_s=5",
+    "launcher.rdzv_last_call_s=3",
 )
 
 
@@ -150,18 +152,21 @@ def _start_node(
     run_dir: Path,
     cwd: Path,
     script: bool,
-    job: tuple[str, ...] = ELASTIC,
+    job: tuple[str, ...],
     faults: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """`train launcher=torchrun ...` on one node, or (script) launchers/torchrun.sh with the
     same settings in its environment variables; `faults`: the FRAMEWORK_TEST_* variables."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    # Not the start-up marks an earlier `train` in this process left (the cli fixture): a node's
+    # start-up counts from its own start.
+    left_out = (*DIST_ENV_VARS, startup_clock.VARIABLE)
+    env = {k: v for k, v in os.environ.items() if k not in left_out}
     env.update(
         PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
         PYTHONPATH=str(REPO),
         OMP_NUM_THREADS="1",
         GLOO_SOCKET_IFNAME=namespace,
-        **(faults or {FAULT_ENV: "slow:0:5"}),
+        **(faults or {}),
     )
     if script:  # its run dir is outputs/torchrun/<RUN_ID> in the (shared) working dir
         env.update(
@@ -172,6 +177,8 @@ def _start_node(
             RUN_ID=run_dir.name,
             LOCAL_ADDR=HOSTS[host],
             RDZV_HOST="1" if host == "a" else "0",
+            # Both nodes join the first round within its last call: node b retries its
+            # connection to node a's store, not yet up, after 0.3, 0.4, 0.8, 1.4, 3.2 s...
             RDZV_CONF="last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
         )
         command = ["bash", str(REPO / "launchers" / "torchrun.sh"), *job]
@@ -193,6 +200,19 @@ def _start_node(
         )
 
 
+@contextlib.contextmanager
+def _nodes() -> Iterator[dict[str, subprocess.Popen]]:
+    """The nodes a test starts, by host; whichever still runs at the end is killed."""
+    nodes: dict[str, subprocess.Popen] = {}
+    try:
+        yield nodes
+    finally:
+        for node in nodes.values():
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+
+
 def _kill_node(namespace: str) -> None:
     """SIGKILL to every process of the node (torchrun starts its ranks in sessions of their own:
     a process group is not the whole node)."""
@@ -202,101 +222,102 @@ def _kill_node(namespace: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
 
 
-def _wait_for(condition, node: subprocess.Popen, timeout_s: float, what: str) -> float:
-    """Seconds until condition() holds, while `node` runs."""
+def _wait_for(condition, node: subprocess.Popen, timeout_s: float, what: str) -> None:
+    """Until condition() holds, while `node` runs."""
     started = time.monotonic()
     while not condition():
         assert node.poll() is None, f"node ended (code {node.returncode}) before {what}"
         assert time.monotonic() - started < timeout_s, f"no {what} within {timeout_s} s"
         time.sleep(0.1)
-    return time.monotonic() - started
 
 
-# Each way to start the job and each way to lose a node, once: the survivor's agent restarts its
-# rank the same way whichever way the rank learned of the loss.
-@pytest.mark.parametrize(("launch", "loss"), [("launcher", "killed"), ("script", "unplugged")])
-def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint(
-    two_hosts, tmp_path, cli, launch, loss
-):
-    """launcher: `train launcher=torchrun`; script: launchers/torchrun.sh. killed: node b's
-    processes die, and their connections close (node a's next collective fails at once).
-    unplugged: node b's link goes down first, so nothing reaches node a and its collective times
-    out (dist.timeout_s)."""
-    # One run dir for both nodes: a shared file system.
-    script = launch == "script"
-    run_dir = tmp_path / "outputs" / "torchrun" / "elastic" if script else tmp_path / "run"
-    # Node b first: it waits for node a's rendezvous store, so both join within the last call.
-    node_b = _start_node("b", two_hosts["b"], run_dir, tmp_path, script)
-    node_a = _start_node("a", two_hosts["a"], run_dir, tmp_path, script)
-    log_file = run_dir / "train.log"
+def _one_rank_here(cli, job: tuple[str, ...], run_dir: Path, cwd: Path, *overrides: str):
+    """`train` of the same job on one rank, in this process, with one thread as the nodes' ranks
+    (OMP_NUM_THREADS=1, which a running torch no longer reads): more threads change the last
+    bits of the weights, and on busy cores they wait for each other at every small kernel."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        _wait_for(
-            (run_dir / "checkpoints" / "step_00000006.pt").exists, node_a, 180, "checkpoint 6"
+        return cli(
+            *job,
+            "launcher.nproc_per_node=1",
+            f"hydra.run.dir={run_dir}",
+            *overrides,
+            cwd=cwd,
+            env={"OMP_NUM_THREADS": "1", FAULT_ENV: None, GATE_ENV: None},
         )
-        assert node_b.poll() is None
-        if loss == "unplugged":
-            _ip("-n", two_hosts["b"], "link", "set", two_hosts["b"], "down")
-        _kill_node(two_hosts["b"])  # the node is gone: agent, fork server, rank
-        delay = _wait_for(lambda: "world_size=1" in log_file.read_text(), node_a, 120, "restart")
-        node_a.wait(timeout=120)
     finally:
-        for node in (node_a, node_b):
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
+        torch.set_num_threads(threads)
+
+
+def test_an_elastic_job_that_loses_a_node_goes_on_alone_from_the_last_checkpoint(
+    two_hosts, tmp_path, cli
+):
+    """Both nodes started by launchers/torchrun.sh. Node b is unplugged: its link goes down
+    before its processes die, so nothing reaches node a, whose collective times out
+    (dist.timeout_s). (A node killed with its link up, under `train launcher=torchrun`: the
+    global-batch test below.)"""
+    # One run dir for both nodes, outputs/torchrun/<RUN_ID> in their working dir: a shared file
+    # system.
+    run_dir = tmp_path / "outputs" / "torchrun" / "elastic"
+    gate, log_file = tmp_path / "gate", run_dir / "train.log"
+    checkpoint = run_dir / "checkpoints" / "step_00000006.pt"
+    gate.touch()
+    # Node b's rank holds before its 7th step while the gate exists (tests/faults.py): the job
+    # waits after the checkpoint at step 6 for the test to unplug node b, and node a's rank
+    # waits in that step's collective.
+    hold = {FAULT_ENV: "hold:1:7", GATE_ENV: str(gate)}
+    with _nodes() as nodes:
+        # Node b first: it waits for node a's rendezvous store, so both join within the last call.
+        nodes["b"] = _start_node("b", two_hosts["b"], run_dir, tmp_path, True, ELASTIC, hold)
+        nodes["a"] = _start_node("a", two_hosts["a"], run_dir, tmp_path, True, ELASTIC)
+        _wait_for(checkpoint.exists, nodes["a"], 180, "checkpoint 6")
+        assert nodes["b"].poll() is None
+        _ip("-n", two_hosts["b"], "link", "set", two_hosts["b"], "down")
+        _kill_node(two_hosts["b"])  # the node is gone: agent and rank
+        lost = time.monotonic()
+        # While node a's rank waits out its collective, its agent restarts it and the new rank
+        # imports: the same job resumed from that checkpoint on one rank by hand, in another
+        # run dir, to compare with.
+        resume = f"checkpoint.resume={checkpoint}"
+        by_hand = _one_rank_here(cli, ELASTIC, tmp_path / "by_hand", tmp_path, resume)
+        _wait_for(lambda: "world_size=1" in log_file.read_text(), nodes["a"], 120, "restart")
+        delay = time.monotonic() - lost
+        nodes["a"].wait(timeout=120)
     output = (tmp_path / "node_a.out").read_text()
-    assert node_a.returncode == 0, output[-4000:]
-    # Unplugged, the survivor learned it from the timeout, and said so in one line.
-    timed_out = "rank 0 waited dist.timeout_s=10 s in a collective without an answer"
-    assert (timed_out in output) is (loss == "unplugged"), output[-4000:]
-    # The agent reported its failed rank in one line (framework/launch/torchrun/agent.py).
-    assert script or "Traceback" not in output, output[-4000:]
+    assert nodes["a"].returncode == 0, output[-4000:]
+    # The survivor learned it from the timeout, and said so in one line.
+    assert "rank 0 waited dist.timeout_s=5 s in a collective without an answer" in output
     log = log_file.read_text()
-    # Two ranks first, then one, from the newest checkpoint written before the loss.
+    # Two ranks first, then one, from the checkpoint written before the loss, resharded.
     assert log.index("world_size=2") < log.index("world_size=1"), log[-3000:]
-    resumed = re.search(r"resumed from (\S+step_(\d+)\.pt) at step (\d+)", log)
-    assert resumed is not None, log[-3000:]
-    checkpoint, step = Path(resumed[1]), int(resumed[3])
-    assert step >= 6 and "written by 2 ranks, on 1" in log
+    assert f"resumed from {checkpoint} at step 6" in log, log[-3000:]
+    assert "written by 2 ranks, on 1" in log
     # One metrics event per step: none lost at the checkpoint, none left from after it.
     events = [e for e in read_metrics(run_dir) if "train/loss" in e]
     assert [e["step"] for e in events] == list(range(1, ELASTIC_STEPS + 1))
     losses = [e["train/loss"] for e in events]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
-    # The same as resuming that checkpoint on one rank by hand.
-    reference = tmp_path / "reference"
-    # In this process, with one thread as the nodes' ranks (OMP_NUM_THREADS=1, which a running
-    # torch no longer reads): more threads change the last bits of the weights.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        by_hand = cli(
-            *ELASTIC,
-            "launcher.nproc_per_node=1",
-            f"checkpoint.resume={checkpoint}",
-            f"hydra.run.dir={reference}",
-            cwd=tmp_path,
-            env={"OMP_NUM_THREADS": "1", FAULT_ENV: None},
-        )
-    finally:
-        torch.set_num_threads(threads)
     assert by_hand.returncode == 0, by_hand.stderr[-3000:]
-    assert train_losses(reference) == losses[step:]
-    assert_same_weights(final_weights(run_dir), final_weights(reference))
-    print(f"{launch}, node {loss} -> the survivor's rank started again: {delay:.1f} s")
+    assert train_losses(tmp_path / "by_hand") == losses[6:]
+    assert_same_weights(final_weights(run_dir), final_weights(tmp_path / "by_hand"))
+    print(f"node b unplugged -> node a's rank started again within {delay:.1f} s")
     assert_no_process_left_within(1, tmp_path)
 
 
 # An elastic job with a constant global batch (trainer.global_batch_size): 64 samples per step =
 # 32 per rank x 2 ranks, or x 1 rank x 2 accumulation steps; 4 steps per epoch either way.
-# Rank 0 holds at each step from its 9th micro-batch while the gate file exists (tests/faults.py).
+# Rank 0 holds at its HOLD_AT-th micro-batch of each round while the gate file exists
+# (tests/faults.py): alone, in step 5; the join stops it at step 6, and the 2-rank round holds
+# at step 15, after its checkpoint at step 10, mid-epoch.
+HOLD_AT, CHECKPOINT_EVERY = 9, 5
 CONSTANT = (
     *FAULTS,
     "model._target_=tests.faults.SteadyMLP",  # no per-rank noise: the samples decide the losses
     "data.batch_size=32",
     "trainer.global_batch_size=64",
     "trainer.max_steps=30",
-    "checkpoint.every=4",
+    f"checkpoint.every={CHECKPOINT_EVERY}",
     "checkpoint.keep=100",
     # A joining node's rank may start long after the others (its fork server still importing):
     # they wait for it. The lost node is killed, so its peer's collective fails at once.
@@ -304,59 +325,80 @@ CONSTANT = (
 )
 
 
-def test_an_elastic_job_keeps_its_global_batch_as_a_node_joins_and_is_lost(two_hosts, tmp_path):
-    """Node a trains alone (1 rank x 2 accumulation steps) and holds; node b joins later and
-    the group restarts bigger by itself (2 ranks x 1); node b is killed and node a finishes
-    alone from the newest checkpoint. Every step's loss equals an uninterrupted one-rank run's
-    with the same global batch."""
+def test_an_elastic_job_keeps_its_global_batch_as_a_node_joins_and_is_lost(
+    two_hosts, tmp_path, cli
+):
+    """Both nodes started by `train launcher=torchrun`. Node a trains alone (1 rank x 2
+    accumulation steps) and holds; node b joins later and the group restarts bigger by itself
+    (2 ranks x 1); node b's processes are killed with its link up (node a's next collective
+    fails at once) and node a finishes alone from the newest checkpoint. Every step's loss
+    equals an uninterrupted one-rank run's with the same global batch, and the last round's
+    losses and weights those of a resume of its checkpoint by hand."""
     run_dir = tmp_path / "run"
-    joined = _join_then_lose_node_b(two_hosts, run_dir, tmp_path)
-    log = (run_dir / "train.log").read_text()
+    log_file = run_dir / "train.log"
+    with _nodes() as nodes:
+        joined, newest = _join_then_lose_node_b(two_hosts, run_dir, tmp_path, nodes)
+        lost = time.monotonic()
+        # While node a restarts its rank: the runs to compare with, in this process.
+        uninterrupted = _one_rank_here(cli, CONSTANT, tmp_path / "uninterrupted", tmp_path)
+        resume = f"checkpoint.resume={newest}"
+        by_hand = _one_rank_here(cli, CONSTANT, tmp_path / "by_hand", tmp_path, resume)
+        _wait_for(lambda: _text(log_file).count("world_size=") == 3, nodes["a"], 120, "restart")
+        delay = time.monotonic() - lost
+        nodes["a"].wait(timeout=180)
+    output = (tmp_path / "node_a.out").read_text()
+    assert nodes["a"].returncode == 0, output[-4000:]
+    # Killed, the survivor's collective failed at once (no timeout), and its agent reported the
+    # failed rank in one line (framework/launch/torchrun/agent.py).
+    assert "waited dist.timeout_s" not in output, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    log = log_file.read_text()
     rounds = re.findall(r"world_size=\d .*global batch (64 = 32 per rank x \d ranks x \d)", log)
     assert rounds == [f"64 = 32 per rank x {n} ranks x {3 - n}" for n in (1, 2, 1)], log[-3000:]
     # The join stopped the ranks with a checkpoint of the step reached, and said that the job
-    # goes on by itself; the loss resumed from a checkpoint the 2 ranks wrote.
+    # goes on by itself; the loss resumed from the newest checkpoint, which the 2 ranks wrote.
     assert "the agent restarts them by itself from this checkpoint" in log
     assert "To continue" not in log, log[-3000:]
-    resumed = [int(step) for step in re.findall(r"resumed from \S+ at step (\d+)", log)]
-    assert resumed[0] == joined < resumed[1], log[-3000:]
+    resumed = re.findall(r"resumed from (\S+) at step (\d+)", log)
+    assert [int(step) for _, step in resumed[:1]] == [joined], log[-3000:]
+    assert resumed[1:] == [(str(newest), str(int(newest.stem.removeprefix("step_"))))]
+    assert "written by 1 ranks, on 2" in log and "written by 2 ranks, on 1" in log
     events = [e for e in read_metrics(run_dir) if "train/loss" in e]
     assert [e["step"] for e in events] == list(range(1, 31))
-    reference = tmp_path / "reference"
-    train_in_process(make_cfg(*CONSTANT, "launcher.nproc_per_node=1"), reference)
-    expected = train_losses(reference)
     losses = [e["train/loss"] for e in events]
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    expected = train_losses(tmp_path / "uninterrupted")
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected, strict=True))
     print(f"largest relative difference from the uninterrupted run: {worst:.2e}")
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+    assert by_hand.returncode == 0, by_hand.stderr[-3000:]
+    assert train_losses(tmp_path / "by_hand") == losses[int(resumed[1][1]) :]
+    assert_same_weights(final_weights(run_dir), final_weights(tmp_path / "by_hand"))
+    print(f"node b killed -> node a's rank started again within {delay:.1f} s")
     assert_no_process_left_within(1, tmp_path)
 
 
-def _join_then_lose_node_b(two_hosts: dict[str, str], run_dir: Path, cwd: Path) -> int:
-    """Node a alone, node b joining, node b killed after a checkpoint of the 2-rank round;
-    node a's exit checked. Returns the step the join stopped the lone rank at."""
+def _join_then_lose_node_b(
+    two_hosts: dict[str, str], run_dir: Path, cwd: Path, nodes: dict[str, subprocess.Popen]
+) -> tuple[int, Path]:
+    """Node a alone, node b joining, node b killed while the 2-rank round holds. Returns the
+    step the join stopped the lone rank at, and the newest checkpoint when node b was lost."""
     gate, log_file = cwd / "gate", run_dir / "train.log"
     gate.touch()
-    faults = {FAULT_ENV: "hold:0:9", GATE_ENV: str(gate)}
-    nodes = {}
-    try:
-        nodes["a"] = _start_node("a", two_hosts["a"], run_dir, cwd, False, CONSTANT, faults)
-        _wait_for(lambda: "world_size=1" in _text(log_file), nodes["a"], 180, "node a alone")
-        nodes["b"] = _start_node("b", two_hosts["b"], run_dir, cwd, False, CONSTANT, faults)
-        _wait_for(lambda: "world_size=2" in _text(log_file), nodes["a"], 180, "node b joining")
-        joined = int(re.findall(r"stopped on SIGTERM at step (\d+)", _text(log_file))[0])
-        newer = run_dir / "checkpoints" / f"step_{(joined // 4 + 1) * 4:08d}.pt"
-        _wait_for(newer.exists, nodes["a"], 120, "a checkpoint on 2 ranks")
-        _kill_node(two_hosts["b"])
-        gate.unlink()  # node a's rank goes on, finds its peer gone, and restarts alone
-        nodes["a"].wait(timeout=180)
-    finally:
-        for node in nodes.values():
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
-    assert nodes["a"].returncode == 0, (cwd / "node_a.out").read_text()[-4000:]
-    return joined
+    faults = {FAULT_ENV: f"hold:0:{HOLD_AT}", GATE_ENV: str(gate)}
+    nodes["a"] = _start_node("a", two_hosts["a"], run_dir, cwd, False, CONSTANT, faults)
+    _wait_for(lambda: "world_size=1" in _text(log_file), nodes["a"], 180, "node a alone")
+    nodes["b"] = _start_node("b", two_hosts["b"], run_dir, cwd, False, CONSTANT, faults)
+    _wait_for(lambda: "world_size=2" in _text(log_file), nodes["a"], 180, "node b joining")
+    joined = int(re.findall(r"stopped on SIGTERM at step (\d+)", _text(log_file))[0])
+    # The 2-rank round (1 micro-batch per step) holds at step joined + HOLD_AT: its last
+    # checkpoint before that is the newest one when node b is lost.
+    last = (joined + HOLD_AT - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY
+    newest = run_dir / "checkpoints" / f"step_{last:08d}.pt"
+    _wait_for(newest.exists, nodes["a"], 120, "the 2-rank round's last checkpoint")
+    _kill_node(two_hosts["b"])
+    gate.unlink()  # node a's rank goes on, finds its peer gone, and restarts alone
+    return joined, newest
 
 
 def _text(path: Path) -> str:

@@ -10,6 +10,7 @@ import pytest
 from framework.config.validation import joins_other_node, node_range, validate
 from framework.core.exits import ConfigError
 from framework.core.launch_context import detect
+from framework.launch.forkserver import will_start_local_ranks
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start
 from framework.launch.torchrun.agent import (
     WORKER_FAILURE_LOGGER,
@@ -55,6 +56,27 @@ def slurm_task(monkeypatch: pytest.MonkeyPatch, rank: int) -> dict[str, str]:
 def test_a_typed_command_starts_ranks_as_its_launcher_says(overrides, expected):
     cfg = make_cfg(*overrides)
     assert how_ranks_start(cfg.launcher, detect({})) is expected
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["launcher.nproc_per_node=1"],
+        ["launcher=torchrun"],
+        ["launcher=torchrun", "launcher.nproc_per_node=1"],
+        ["launcher=slurm"],
+        ["launcher=slurm_local"],
+    ],
+)
+def test_the_command_starts_the_fork_server_early_when_its_ranks_fork_from_it(overrides):
+    """cli.py decides from the command line alone, before composing, so that the server's
+    imports run beside the command's own; a late start puts them after."""
+    forked = how_ranks_start(make_cfg(*overrides).launcher, detect({})) in {
+        Start.LOCAL_RANKS,
+        Start.TORCHRUN_AGENT,
+    }
+    assert will_start_local_ranks(overrides) is forked
 
 
 @pytest.mark.parametrize("launcher", ["local", "torchrun"])
