@@ -61,6 +61,8 @@ class GPTWork:
     precision: str = "bf16"  # bf16 | fp32
     compile: bool = False
     peak_tflops: float | None = None  # trainer.peak_tflops (on a CPU: MFU against this)
+    # trainer.eval_batches of `train`'s final validation (the plain loop has none); None: all
+    eval_batches: int | None = None
 
     @property
     def total_steps(self) -> int:
@@ -99,6 +101,8 @@ class GPTWork:
         ]
         if self.peak_tflops is not None:
             overrides.append(f"trainer.peak_tflops={self.peak_tflops}")
+        if self.eval_batches is not None:
+            overrides.append(f"trainer.eval_batches={self.eval_batches}")
         return overrides
 
 

@@ -125,68 +125,74 @@ def test_the_loops_update_clips_the_unscaled_gradient_so_amp_moves_the_weights_a
 
 
 @dataclass(frozen=True)
-class Arm:
-    """A baseline and the variants compared with it, each at the baseline's settings and steps,
-    as a mean over seeds."""
+class Variant:
+    """One setting away from the baseline, trained at some of the baseline's seeds, and what its
+    means over those seeds may lose against the baseline's means over the same seeds."""
 
-    name: str
-    settings: tuple[str, ...]
-    baseline: str
-    variants: tuple[str, ...]
+    setting: tuple[str, ...]
     seeds: tuple[int, ...]
-    least_baseline_accuracy: float
+    accuracy_lost: float  # at most this much lower val/accuracy
+    loss_ratio: float  # val/loss at most this many times the baseline's
 
 
-# PowerSGD, the lossy hook, on the default experiment (the CNN, 15 epochs, 330 steps): it is
-# about a point behind there, so its seed-to-seed noise decides (one seed alone moves digits
-# accuracy by one or two points, 359 val images) and both get three seeds. Without error
-# feedback it ends 21 to 45 points behind; at 10 epochs it is still 4 behind (93% vs 97%).
-# The precisions and the near-lossless hooks on the digits MLP at 4 epochs (88 steps, fp32 at
-# 96-97%). What is ours in a precision (autocast, the loss scaler, fp32 master weights) is the
-# same for every model, and on a CPU without float16 or bfloat16 arithmetic (AVX2 only, as
-# here) the CNN's reduced-precision convolutions run torch's reference kernels, 5-7x an fp32
-# step. The break that only the CNN at 15 epochs showed, bf16 without fp32 master weights, is
-# test_reduced_precision_steps_update_fp32_master_weights's; the MLP arm fails with AMP's scaler
-# bypassed (non-finite loss at step 2).
-ARMS = (
-    Arm("cnn", (), "comm=allreduce", ("comm=powersgd",), (0, 1, 2), 0.95),
-    Arm(
-        "mlp",
-        ("model=mlp", "trainer.max_epochs=4"),
-        "precision=fp32",
-        ("precision=bf16", "precision=amp", "comm=fp16", "comm=bf16"),
-        (0, 1),
-        0.95,
+# The digits MLP at 4 epochs (88 steps of 32 per rank; fp32 with allreduce reaches 95-97% of the
+# 359 val images). A variant runs at the baseline's seeds (the same initial weights and data
+# order), so what differs is the variant's own doing. These statistics over seeds 0-9 (PowerSGD's
+# over all 45 pairs of them, as it runs two), min .. max:
+#                                         accuracy lost (points)   val/loss ratio
+#   fp16 and bf16 hooks, bf16 and amp     -0.28 .. +0.28           0.986 .. 1.017
+#   the fp16 hook zeroing half a bucket   +0.84 .. +3.34           1.449 .. 1.875
+#   PowerSGD                              -0.84 .. +1.11           0.968 .. 1.173
+#   PowerSGD without error feedback       +5.29 .. +10.86          3.059 .. 4.353
+# The loss ratio separates each broken variant from its correct one by more than its spread (a
+# sd of 0.009 and 0.134 per seed for the first two rows, 0.06 and 0.36 for pairs in the last
+# two); accuracy, what users read, moves in 0.28-point steps and alone would miss the zeroed half
+# at 2 of 10 seeds. PowerSGD starts at step 2: at its default start of 10 the plain first steps
+# do most of the learning and without error feedback it ended only 3.1-3.9 points behind (seeds
+# 0-4); in fewer steps its error feedback has not caught up (2.5 points behind at 44). What is
+# ours in a precision (autocast, the loss scaler, fp32 master weights) is the same for every
+# model: with AMP's scaler bypassed this test fails (a non-finite loss at step 2), and bf16
+# without fp32 master weights is test_reduced_precision_steps_update_fp32_master_weights's.
+ACCURACY_BASELINE = ("model=mlp", "trainer.max_epochs=4", "trainer.log_every=1000")
+LEAST_BASELINE_ACCURACY = 0.95
+ACCURACY_VARIANTS = (
+    Variant(("comm=powersgd", "comm.start_iter=2"), (0, 1), accuracy_lost=0.03, loss_ratio=1.5),
+    *(
+        Variant((setting,), (0,), accuracy_lost=0.01, loss_ratio=1.1)
+        for setting in ("comm=fp16", "comm=bf16", "precision=bf16", "precision=amp")
     ),
 )
 
 
 def test_compressed_communication_and_every_precision_keep_digits_accuracy(tmp_path):
-    """Each variant's mean accuracy over seeds within a point of its baseline's."""
-    runs = [
-        (arm, variant, seed)
-        for arm in ARMS
-        for variant in (arm.baseline, *arm.variants)
-        for seed in arm.seeds
+    """Each variant's mean val/accuracy and val/loss over its seeds within its tolerances of the
+    baseline's at the same seeds."""
+    baseline_seeds = sorted({seed for variant in ACCURACY_VARIANTS for seed in variant.seeds})
+    runs = [((), seed) for seed in baseline_seeds] + [
+        (variant.setting, seed) for variant in ACCURACY_VARIANTS for seed in variant.seeds
     ]
     jobs = [
         (
-            make_cfg(*arm.settings, variant, f"trainer.seed={seed}", "trainer.log_every=1000"),
-            tmp_path / f"{arm.name}-{variant.replace('=', '-')}-{seed}",
+            make_cfg(*ACCURACY_BASELINE, *setting, f"trainer.seed={seed}"),
+            tmp_path / "-".join(("baseline", *setting, str(seed))).replace("=", "-"),
         )
-        for arm, variant, seed in runs
+        for setting, seed in runs
     ]
     summaries = train_many(jobs)
-    accuracy = {
-        (arm.name, variant, seed): summary["val/accuracy"]
-        for (arm, variant, seed), summary in zip(runs, summaries, strict=True)
+    results = {
+        (setting, seed): {metric: summary[metric] for metric in ("val/accuracy", "val/loss")}
+        for (setting, seed), summary in zip(runs, summaries, strict=True)
     }
 
-    def mean(arm: Arm, variant: str) -> float:
-        return statistics.mean(accuracy[(arm.name, variant, seed)] for seed in arm.seeds)
+    def mean(setting: tuple[str, ...], seeds: tuple[int, ...], metric: str) -> float:
+        return statistics.mean(results[(setting, seed)][metric] for seed in seeds)
 
-    for arm in ARMS:
-        assert mean(arm, arm.baseline) >= arm.least_baseline_accuracy, accuracy
-        for variant in arm.variants:
-            assert mean(arm, variant) >= mean(arm, arm.baseline) - 0.01, accuracy
-    print(accuracy)
+    baseline_accuracy = mean((), tuple(baseline_seeds), "val/accuracy")
+    assert baseline_accuracy >= LEAST_BASELINE_ACCURACY, results
+    for variant in ACCURACY_VARIANTS:
+        setting, seeds = variant.setting, variant.seeds
+        lost = mean((), seeds, "val/accuracy") - mean(setting, seeds, "val/accuracy")
+        ratio = mean(setting, seeds, "val/loss") / mean((), seeds, "val/loss")
+        assert lost <= variant.accuracy_lost, (setting, lost, results)
+        assert ratio <= variant.loss_ratio, (setting, ratio, results)
+    print(results)
