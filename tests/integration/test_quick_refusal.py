@@ -3,14 +3,14 @@ process left behind (the fork server `train` starts early ends with it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 from framework.core.exits import ExitCode
 from tests.conftest import DIST_ENV_VARS, torch_refused
@@ -132,12 +132,16 @@ def train_without_torch(tmp_path: Path, *args: str) -> subprocess.CompletedProce
 
 
 def test_under_the_guard_a_command_that_imports_torch_fails_and_a_spared_one_does_not(tmp_path):
-    """The positive control of every test here that runs `train` under the guard (and of
-    test_cli.py's, which spares the fork server): a guard that refused nothing would let them
-    all pass with torch imported. A run on one rank imports torch in the command itself."""
+    """The positive control of every test here that runs `train` under the guard, in a new
+    interpreter or forked (and of test_cli.py's, which spares the fork server): a guard that
+    refused nothing would let them all pass with torch imported. A run on one rank imports
+    torch in the command itself."""
     run = train_without_torch(tmp_path, ONE_RANK, "trainer.max_steps=1")
     assert run.returncode != 0
     assert run.stderr.strip().splitlines()[-1] == "ImportError: torch was imported"
+    [forked] = trains_without_torch(tmp_path / "forked", [[ONE_RANK, "trainer.max_steps=1"]])
+    assert forked.returncode != 0
+    assert forked.stderr.strip().splitlines()[-1] == "ImportError: torch was imported"
     find_torch = "import importlib.util; print(importlib.util.find_spec('torchvision').origin)"
     guard = torch_refused(tmp_path / "sparing", spared="multiprocessing.forkserver")
     for words, refused in (((), True), (("multiprocessing.forkserver",), False)):
@@ -155,25 +159,128 @@ def test_under_the_guard_a_command_that_imports_torch_fails_and_a_spared_one_doe
             assert found.stdout.strip().endswith("torchvision/__init__.py")
 
 
-def refusal_without_torch(tmp_path: Path, command: str) -> str:
-    """The one line `train <command>` is refused with, before anything imports torch (one rank,
-    so no fork server imports it either). Exit 2 and no run dir are checked here."""
-    result = train_without_torch(tmp_path, *command.split(), ONE_RANK)
-    assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-3000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr[-3000:]
-    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
-    return lines[0]
+# A table's commands, each `train` in a process of its own, forked from one interpreter that
+# has imported what every `train` imports before it reads its command line (framework.cli, then
+# framework.train): those imports are paid once per table, not once per command. A child leaves
+# as the command does (SystemExit through the interpreter's exit, atexit handlers included),
+# with its own working dir, output files and exit code; the guard, installed as the parent
+# started, holds in every child (the positive control checks both ways of running `train`, and
+# test_a_forked_train_answers_as_a_new_interpreter_does compares them).
+FORKED_TRAIN = """
+import json, os, signal, sys
+
+import framework.cli
+import framework.train
+
+with open(sys.argv[1]) as cases:
+    commands = json.load(cases)
+for command in commands:
+    child = os.fork()
+    if child == 0:
+        signal.alarm(120)  # a command that hangs is ended (SIGALRM), not the suite
+        os.chdir(command["cwd"])
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(command[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = [framework.cli.__file__, *command["args"]]
+        sys.exit(framework.cli.main())
+    print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), flush=True)
+"""
 
 
-@pytest.mark.parametrize(("mistake", "said"), MISTAKES, ids=[m for m, _ in MISTAKES])
-def test_a_config_mistake_is_refused_before_anything_imports_torch(tmp_path, mistake, said):
-    assert said in refusal_without_torch(tmp_path, mistake)
+@dataclass
+class Answered:
+    """How one `train` command ended, and the folder it ran in."""
+
+    cwd: Path
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-@pytest.mark.parametrize(("command", "said"), FLAG_MISTAKES, ids=[c for c, _ in FLAG_MISTAKES])
-def test_a_mistake_with_hydras_flags_is_one_line_too(tmp_path, command, said):
-    assert said in refusal_without_torch(tmp_path, command)
+def trains_without_torch(
+    tmp_path: Path, commands: list[list[str]], cwd: Path | None = None
+) -> list[Answered]:
+    """`train <args>` for each command, where torch cannot be imported, each in a new empty
+    folder (or all in `cwd`)."""
+    streams = tmp_path / "streams"
+    streams.mkdir(parents=True)
+    cases = []
+    for index, args in enumerate(commands):
+        folder = cwd or tmp_path / "commands" / str(index)
+        folder.mkdir(parents=True, exist_ok=True)
+        out, err = streams / f"{index}.out", streams / f"{index}.err"
+        cases.append({"args": args, "cwd": str(folder), "stdout": str(out), "stderr": str(err)})
+    (tmp_path / "commands.json").write_text(json.dumps(cases))
+    parent = subprocess.run(
+        [sys.executable, "-c", FORKED_TRAIN, str(tmp_path / "commands.json")],
+        cwd=tmp_path,
+        env=command_env(PYTHONPATH=torch_refused(tmp_path / "guard")),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert parent.returncode == 0 and not parent.stderr, parent.stderr[-3000:]
+    codes = [int(line) for line in parent.stdout.split()]
+    return [
+        Answered(
+            Path(case["cwd"]),
+            code,
+            Path(case["stdout"]).read_text(),
+            Path(case["stderr"]).read_text(),
+        )
+        for case, code in zip(cases, codes, strict=True)
+    ]
+
+
+def not_a_refusal(answered: Answered, said: str) -> str | None:
+    """What keeps `answered` from being the refusal that says `said`, before anything imported
+    torch (one rank, so no fork server imports it either): exit 2, one `error:` line, and
+    nothing written where it ran. None when it is one."""
+    lines = answered.stderr.strip().splitlines()
+    if answered.returncode != ExitCode.CONFIG_REJECTED:
+        return f"exit {answered.returncode}: {answered.stderr[-3000:]}"
+    if len(lines) != 1 or not lines[0].startswith("error:"):
+        return f"not one error line: {answered.stderr[-3000:]}"
+    if said not in lines[0]:
+        return f"{lines[0]!r} does not say {said!r}"
+    if written := sorted(path.name for path in answered.cwd.iterdir()):
+        return f"wrote {written}"
+    return None
+
+
+def assert_refused(tmp_path: Path, table: list[tuple[str, str]]) -> None:
+    commands = [[*command.split(), ONE_RANK] for command, _ in table]
+    answers = trains_without_torch(tmp_path, commands)
+    wrong = [
+        f"train {command}: {problem}"
+        for (command, said), answered in zip(table, answers, strict=True)
+        if (problem := not_a_refusal(answered, said))
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_config_mistake_is_refused_before_anything_imports_torch(tmp_path):
+    assert_refused(tmp_path, MISTAKES)
+
+
+def test_a_mistake_with_hydras_flags_is_one_line_too(tmp_path):
+    assert_refused(tmp_path, FLAG_MISTAKES)
+
+
+def test_a_forked_train_answers_as_a_new_interpreter_does(tmp_path):
+    """The premise of trains_without_torch: a refusal and an answer, each from a new
+    interpreter and from a forked child, are the same exit code and the same bytes."""
+    commands = [[*MISTAKES[0][0].split(), ONE_RANK], ["--cfg", "job", "-p", "trainer", ONE_RANK]]
+    forked = trains_without_torch(tmp_path / "forked", commands)
+    for args, answered in zip(commands, forked, strict=True):
+        new = train_without_torch(tmp_path, *args)
+        assert (new.returncode, new.stdout, new.stderr) == (
+            answered.returncode,
+            answered.stdout,
+            answered.stderr,
+        )
+    assert [answered.returncode for answered in forked] == [2, 0]
 
 
 # What Hydra answers, which the checks of those flags must leave to it.
@@ -187,13 +294,12 @@ FLAGS_HYDRA_ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("args", "said"), FLAGS_HYDRA_ANSWERS, ids=[" ".join(a) for a, _ in FLAGS_HYDRA_ANSWERS]
-)
-def test_right_uses_of_hydras_flags_are_answered(tmp_path, args, said):
-    result = train_without_torch(tmp_path, *args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[0].startswith(said)
+def test_right_uses_of_hydras_flags_are_answered(tmp_path):
+    answers = trains_without_torch(tmp_path, [args for args, _ in FLAGS_HYDRA_ANSWERS])
+    for (args, said), answered in zip(FLAGS_HYDRA_ANSWERS, answers, strict=True):
+        command = " ".join(["train", *args])
+        assert answered.returncode == 0, (command, answered.stderr[-3000:])
+        assert answered.stdout.strip().splitlines()[0].startswith(said), (command, answered.stdout)
 
 
 # Command lines whose --cfg job train prints from the composition its checks made, where
@@ -207,17 +313,23 @@ SHOWN = [
 ]
 
 
-@pytest.mark.parametrize("args", SHOWN, ids=" ".join)
-def test_cfg_job_prints_the_bytes_hydras_own_cfg_prints(tmp_path, args):
-    (tmp_path / "conf" / "experiment").mkdir(parents=True)
-    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+def test_cfg_job_prints_the_bytes_hydras_own_cfg_prints(tmp_path):
+    project = tmp_path / "project"
+    (project / "conf" / "experiment").mkdir(parents=True)
+    (project / "conf" / "experiment" / "mine.yaml").write_text(
         "# @package _global_\ndefaults:\n  - override /optimizer: adamw\n"
         "trainer:\n  max_steps: ${data.batch_size}\n"
     )
-    ours = train_without_torch(tmp_path, "--cfg", "job", *args)
-    hydras = train_without_torch(tmp_path, "--cfg", "job", "-p", "_global_", *args)
-    assert ours.returncode == hydras.returncode == 0, ours.stderr[-3000:] + hydras.stderr[-3000:]
-    assert ours.stdout == hydras.stdout and "trainer:" in ours.stdout
+    commands = [
+        command
+        for args in SHOWN
+        for command in (["--cfg", "job", *args], ["--cfg", "job", "-p", "_global_", *args])
+    ]
+    answers = trains_without_torch(tmp_path, commands, cwd=project)
+    for args, ours, hydras in zip(SHOWN, answers[::2], answers[1::2], strict=True):
+        command = " ".join(["train --cfg job", *args])
+        assert ours.returncode == hydras.returncode == 0, (command, ours.stderr + hydras.stderr)
+        assert ours.stdout == hydras.stdout and "trainer:" in ours.stdout, command
 
 
 def test_cfg_job_shows_a_config_whose_hydra_node_only_a_run_refuses(tmp_path):
