@@ -141,6 +141,35 @@ def test_a_new_project_passes_its_own_test(tmp_path):
     assert "2 passed" in result.stdout
 
 
+def test_a_project_on_a_clone_of_the_framework_runs_its_next_commit_without_a_reinstall(tmp_path):
+    """A project that `framework-new` wrote against a clone: after a `git pull` there (a new
+    commit), the project's next `uv run` runs the new code (pyproject.toml: cache-keys)."""
+    if UV is None or shutil.which("git") is None:
+        pytest.skip("uv or git is not on PATH")
+    clone = tmp_path / "framework"
+    cloned = run("git", "clone", "--quiet", REPO, clone, cwd=tmp_path)
+    assert cloned.returncode == 0, cloned.stderr[-3000:]
+    project = tmp_path / "lab"
+    new = run(
+        Path(sys.executable).parent / "framework-new", "--framework", clone, project, cwd=tmp_path
+    )
+    assert new.returncode == 0, new.stderr[-3000:]
+    pins = tmp_path / "pins.txt"
+    export = ["export", "--frozen", "--no-hashes", "--no-emit-project"]
+    assert run(UV, *export, "--project", REPO, "--output-file", pins, cwd=tmp_path).returncode == 0
+    probe = ("run", "python", "-c", "import framework.pulled; print(framework.pulled.COMMIT)")
+    before = run(UV, *probe, cwd=project, UV_CONSTRAINT=str(pins))
+    assert before.returncode == 1 and "No module named 'framework.pulled'" in before.stderr
+
+    (clone / "framework" / "pulled.py").write_text("COMMIT = 'pulled'\n")
+    git = ("git", "-c", "user.name=a", "-c", "user.email=a@example.org")
+    assert run(*git, "add", "framework/pulled.py", cwd=clone).returncode == 0
+    assert run(*git, "commit", "--quiet", "-m", "a pulled commit", cwd=clone).returncode == 0
+    after = run(UV, *probe, cwd=project, UV_CONSTRAINT=str(pins))
+    assert after.returncode == 0, after.stderr[-3000:]
+    assert after.stdout.strip() == "pulled"
+
+
 def test_adding_the_framework_keeps_the_older_torch_a_project_already_has(tmp_path):
     """A project that pins the oldest supported torch (a cluster's, a container's) adds the
     framework with `uv add`: the lock keeps that torch, and `train` runs on it."""
