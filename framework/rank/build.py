@@ -111,7 +111,8 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
         )
         # Read once: the pre-flight check and the FLOPs count run on the same first batch.
         train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
-        check_task(task, model.module, train_batch, device)
+        if (warning := check_task(task, model.module, train_batch, device)) and env.is_main:
+            log.warning(warning)
     startup_clock.mark("model")
     return Parts(
         trainer=trainer,
@@ -363,14 +364,18 @@ def preserved_rng() -> Iterator[None]:
 
 
 @torch.no_grad()
-def check_task(task: Task, module: torch.nn.Module, batch: Any, device: torch.device) -> None:
+def check_task(task: Task, module: torch.nn.Module, batch: Any, device: torch.device) -> str | None:
     """The task on a real training batch, before anything is written: a task that cannot read
     the data, or a model whose outputs do not fit it, is a ConfigError naming the fix (every
-    rank sees the same batch and raises alike). Eval mode and saved RNG: training is unchanged."""
+    rank sees the same batch and raises alike); what only looks wrong is returned, a warning.
+    Eval mode and saved RNG: training is unchanged."""
     module.eval()
     with preserved_rng():
-        task.check(module, to_device(batch, device))
+        on_device = to_device(batch, device)
+        task.check(module, on_device)
+        warning = task.undeclared_probabilities(module, on_device)
     module.train()
+    return warning
 
 
 def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimization:

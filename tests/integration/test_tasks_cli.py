@@ -87,6 +87,7 @@ def test_a_task_from_the_users_own_package_trains_on_two_ranks(cli, tmp_path):
     assert summary["objective"] == "val/within_half" and summary["world_size"] == 2
     assert 0 <= summary["val/within_half"] <= 1 and summary["val/mae"] > 0
     assert "done: val/within_half=" in result.stderr.strip().splitlines()[-1]
+    assert "all in [0, 1]" not in result.stderr  # its regression outputs: no false alarm
     lines = Path(REPO / "tests/integration/my_experiments/tasks.py").read_text().splitlines()
     yaml = Path(REPO / "tests/integration/my_experiments/conf/task/abs_error.yaml")
     assert len(lines) + len(yaml.read_text().splitlines()) < 40

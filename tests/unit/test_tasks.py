@@ -470,6 +470,29 @@ def test_probabilities_fed_to_a_logits_loss_are_refused():
     require_logits("multilabel", torch.randn(8, 5), "bce")  # logits pass
 
 
+class OwnSummedLoss(DeclaredMean):
+    """A user's own task that says nothing of logits (no `logits_loss` of its own)."""
+
+
+class SaysNotLogits(OwnSummedLoss):
+    logits_loss = None  # said: the outputs are not logits
+
+
+def test_an_own_task_that_says_nothing_of_logits_is_warned_of_probabilities():
+    """Cross-entropy (which applies softmax) on a model ending in softmax trains to worse
+    numbers in silence: a task that never declared logits_loss is told, once, what to do."""
+    with torch.no_grad():
+        warning = OwnSummedLoss().undeclared_probabilities(SoftmaxCNN().eval(), (images, labels))
+        assert warning is not None and "a final softmax?" in warning
+        assert "drop that activation" in warning and "logits_loss = None" in warning
+        raw = SmallCNN(1, 10, 4).eval()
+        assert OwnSummedLoss().undeclared_probabilities(raw, (images, labels)) is None
+        said = SaysNotLogits().undeclared_probabilities(SoftmaxCNN().eval(), (images, labels))
+        assert said is None
+        declared = Classification(**option_values("task", "classification"))
+        assert declared.undeclared_probabilities(SoftmaxCNN().eval(), (images, labels)) is None
+
+
 class SumAsMean(MeanLoss):
     """A sum, given to TaskLoss.mean as if it were a mean: the loss grows by the batch size."""
 

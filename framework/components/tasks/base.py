@@ -136,15 +136,28 @@ class Task:
         probabilities."""
         if self.logits_loss is None:
             return
-        outputs = model(pick(batch, 0, "inputs"))
-        while not isinstance(outputs, torch.Tensor):
-            if isinstance(outputs, Mapping) and outputs:
-                outputs = next(iter(outputs.values()))
-            elif isinstance(outputs, list | tuple) and outputs:
-                outputs = outputs[0]
-            else:
-                return
-        require_logits(self.name, outputs, self.logits_loss, self.logits_dim)
+        outputs = first_output(model, batch)
+        if outputs is not None:
+            require_logits(self.name, outputs, self.logits_loss, self.logits_dim)
+
+    def undeclared_probabilities(self, model: nn.Module, batch: Any) -> str | None:
+        """A warning where a task that never says whether its loss takes logits (no
+        `logits_loss` of its own, None included) gets probabilities from the model: a loss
+        that applies softmax or sigmoid itself then trains to worse numbers, in silence. None
+        otherwise. Collective under a sharding strategy (a forward), like `check`."""
+        declared = "logits_loss" in vars(self) or any(
+            "logits_loss" in vars(cls) for cls in type(self).__mro__ if cls is not Task
+        )
+        outputs = None if declared else first_output(model, batch)
+        ending = None if outputs is None else final_activation(outputs, self.logits_dim)
+        if ending is None:
+            return None
+        return (
+            f"task={self.name}: the model's outputs on the first batch are all in [0, 1] (a "
+            f"final {ending}?): if the loss takes logits (cross-entropy, BCE with logits), drop "
+            "that activation; say which in the task: logits_loss = 'cross-entropy' (checked), "
+            "or logits_loss = None (the outputs are not logits: no warning)"
+        )
 
     def _check_loss_is_a_sum(self, model: nn.Module, batch: Any, loss: TaskLoss) -> None:
         """A sum over a batch doubles when the batch is repeated; a mean stays the same. So
@@ -265,17 +278,38 @@ def batch_shapes(batch: Any) -> str:
     return type(batch).__name__
 
 
-def require_logits(task: str, outputs: torch.Tensor, loss: str, class_dim: int = 1) -> None:
-    """Refuse probabilities where a loss takes logits (a model ending in sigmoid or softmax
-    trains badly in silence). Called by a task's `check` on the pre-flight batch: raw logits
-    of an untrained model are almost never all in [0, 1]."""
+def first_output(model: nn.Module, batch: Any) -> torch.Tensor | None:
+    """The first tensor the model returns for the batch's inputs (in a tuple, list or dict)."""
+    outputs = model(pick(batch, 0, "inputs"))
+    while not isinstance(outputs, torch.Tensor):
+        if isinstance(outputs, Mapping) and outputs:
+            outputs = next(iter(outputs.values()))
+        elif isinstance(outputs, list | tuple) and outputs:
+            outputs = outputs[0]
+        else:
+            return None
+    return outputs
+
+
+def final_activation(outputs: torch.Tensor, class_dim: int = 1) -> str | None:
+    """ "softmax" or "sigmoid" where the outputs look like probabilities (all in [0, 1], rows
+    summing to 1 for softmax), else None: raw logits of an untrained model are almost never
+    all in [0, 1]."""
     values = outputs.detach().float()
     if values.numel() < 8 or values.min() < 0 or values.max() > 1:
-        return
+        return None
     rows_sum_to_one = values.dim() > class_dim and torch.allclose(
         values.sum(dim=class_dim), torch.ones(()), atol=1e-3
     )
-    ending = "softmax" if rows_sum_to_one else "sigmoid"
+    return "softmax" if rows_sum_to_one else "sigmoid"
+
+
+def require_logits(task: str, outputs: torch.Tensor, loss: str, class_dim: int = 1) -> None:
+    """Refuse probabilities where a loss takes logits (a model ending in sigmoid or softmax
+    trains badly in silence). Called by a task's `check` on the pre-flight batch."""
+    ending = final_activation(outputs, class_dim)
+    if ending is None:
+        return
     raise ConfigError(
         f"task={task}: the model's outputs are all in [0, 1] (a final {ending}?), but {loss} "
         "takes logits: drop the model's last activation (the loss applies it, more stably)"
