@@ -75,8 +75,8 @@ HYDRA_FOLDERS = ("hydra.run.dir", "hydra.sweep.dir")
 
 
 # Keys whose value names a file, a folder or a server, by their name (data.root,
-# logger.csv.filename, checkpoint.resume, logger.mlflow.tracking_uri).
-PATH_KEY = re.compile(r"(dir|root|path|file|filename|resume|uri|url)$")
+# logger.csv.filename, checkpoint.resume, logger.mlflow.tracking_uri, data.files).
+PATH_KEY = re.compile(r"(dir|root|path|file|files|filename|resume|uri|url)$")
 
 
 def _text_problem(path: str, text: str) -> str | None:

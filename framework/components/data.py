@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -35,10 +35,12 @@ from torch.utils.data import (
     DataLoader,
     Dataset,
     DistributedSampler,
+    IterableDataset,
     Sampler,
     TensorDataset,
 )
 
+from framework.core.exits import ConfigError
 from framework.core.launch_context import DistEnv
 from framework.core.parent_death import die_with_parent
 
@@ -392,13 +394,30 @@ def _loader_options(data_cfg, device: torch.device, collate_fn: Callable | None)
     }
 
 
+class EpochStart(Protocol):
+    """What the training loop moves at each epoch: a sampler's or a stream's position."""
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None: ...
+
+
+@runtime_checkable
+class ShardedStream(Protocol):
+    """A streamed training split (an IterableDataset, framework/components/data_stream.py):
+    `for_rank` returns this rank's shard, which yields whole batches per DataLoader worker and
+    resumes at a global position (set_epoch's `start`) on any number of ranks."""
+
+    def for_rank(
+        self, rank: int, world_size: int, batch_size: int, seed: int, shuffle: bool
+    ) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Loaders:
     """This rank's loaders: its shard of the training set (resumable mid-epoch) and of the
     validation set (every sample exactly once over all ranks)."""
 
     train: DataLoader
-    sampler: ResumableSampler
+    sampler: EpochStart
     val: DataLoader
     test: DataLoader | None = None
 
@@ -425,7 +444,9 @@ def train_loader(
     seed: int,
     device: torch.device,
     collate_fn: Callable | None = None,
-) -> tuple[DataLoader, ResumableSampler]:
+) -> tuple[DataLoader, EpochStart]:
+    if isinstance(dataset, IterableDataset):
+        return stream_loader(dataset, data_cfg, env, seed, device, collate_fn)
     sampler = ResumableSampler(
         dataset,
         num_replicas=env.world_size,
@@ -444,6 +465,39 @@ def train_loader(
         **_loader_options(data_cfg, device, collate_fn),
     )
     return loader, sampler
+
+
+def stream_loader(
+    dataset: IterableDataset,
+    data_cfg,
+    env: DistEnv,
+    seed: int,
+    device: torch.device,
+    collate_fn: Callable | None = None,
+) -> tuple[DataLoader, EpochStart]:
+    """A streamed training split: this rank's shard is its own position (set_epoch)."""
+    if not isinstance(dataset, ShardedStream):
+        raise ConfigError(
+            f"data: the training split is an IterableDataset ({type(dataset).__name__}) without "
+            "for_rank(rank, world_size, batch_size, seed, shuffle): subclass "
+            "framework.components.data_stream.TextStream, or return a map-style Dataset"
+        )
+    if data_cfg["persistent_workers"] and data_cfg["num_workers"]:
+        raise ConfigError(
+            "data.persistent_workers=true keeps a stream's workers from seeing each epoch's "
+            "position: set data.persistent_workers=false"
+        )
+    shard = dataset.for_rank(
+        env.rank, env.world_size, data_cfg["batch_size"], seed, data_cfg["shuffle"]
+    )
+    loader = DataLoader(
+        shard,
+        batch_size=data_cfg["batch_size"],
+        drop_last=True,  # every worker yields whole batches; the shard keeps whole global ones
+        generator=torch.Generator().manual_seed(seed + env.rank),
+        **_loader_options(data_cfg, device, collate_fn),
+    )
+    return loader, shard
 
 
 def epoch_coverage(loader: DataLoader, grad_accum: int) -> str | None:

@@ -23,6 +23,7 @@ from framework.config.keys import check_keys
 from framework.config.registry import shipped_choice
 from framework.config.resolvers import gpu_count
 from framework.core import launch_context
+from framework.core.data_dirs import outside_data_dirs
 from framework.core.devices import visible_gpus
 from framework.core.exits import ConfigError
 from framework.core.path_text import path_text_problem
@@ -40,6 +41,7 @@ CSV = "framework.components.loggers.CsvSink"
 TASKS = "framework.components.tasks."
 LANGUAGE_MODEL = f"{TASKS}LanguageModel"
 TEXT = "framework.components.data.text"
+TEXT_STREAM = "framework.components.data_stream.text_stream"
 MLFLOW = "framework.components.loggers.MLflowSink"
 # Loggers whose library is an optional dependency (the `loggers` dependency group).
 LOGGER_PACKAGES = {
@@ -346,16 +348,29 @@ def loggers_write_into_the_run_dir(cfg: DictConfig) -> str | None:
     return None
 
 
+def data_files_lie_in_data_dirs(cfg: DictConfig) -> str | None:
+    """A data option's `files` (data=text_stream's glob, a user's stream) chooses files the
+    run reads, whose text a trained model and its samples carry into the run dir."""
+    files = cfg.data.get("files")
+    if not isinstance(files, str):
+        return None
+    if problem := outside_data_dirs(files, Path.cwd(), os.environ):
+        return f"data.files={files} {problem}"
+    return None
+
+
 def a_classifier_reads_no_token_sequences(cfg: DictConfig) -> str | None:
     """A special case: a user who picks data=text and keeps the default classifier. Its
     windows are 128 tokens of a 128-token vocabulary, so GPT's logits [batch, time,
     vocabulary] have the shape a classifier's [batch, classes, time] would, and the time axis
     is taken for the classes: it trains, to nonsense, and no shape says so."""
     task = str(cfg.task._target_)
-    if cfg.data._target_ != TEXT or task == LANGUAGE_MODEL or not task.startswith(TASKS):
+    text = cfg.data._target_ in (TEXT, TEXT_STREAM)
+    if not text or task == LANGUAGE_MODEL or not task.startswith(TASKS):
         return None
     return (
-        f"data=text gives token sequences, which only task=language_model reads, not "
+        f"data={shipped_choice('data', cfg.data)} gives token sequences, which only "
+        "task=language_model reads, not "
         f"task={shipped_choice('task', cfg.task)}: add task=language_model model=gpt "
         "(experiment=char_gpt has them)"
     )
@@ -391,6 +406,7 @@ RULES: tuple[Rule, ...] = (
     fsdp_reduces_gradients_itself,
     loggers_are_installed,
     loggers_write_into_the_run_dir,
+    data_files_lie_in_data_dirs,
     a_classifier_reads_no_token_sequences,
     the_objective_is_reported,
 )

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from framework.core.exits import ConfigError
 
@@ -372,8 +373,12 @@ def unpack_states(
 
 def first_batch(dataset: Dataset, size: int, collate: Callable | None = None) -> Any:
     """The first `size` samples as one batch, read without a loader (no generator is drawn).
-    Samples that cannot be batched are a ConfigError naming where they differ."""
-    items = [dataset[index] for index in range(min(size, len(dataset)))]
+    Samples that cannot be batched are a ConfigError naming where they differ. A streamed
+    split (an IterableDataset) gives its first `size` samples."""
+    if isinstance(dataset, IterableDataset):
+        items = list(itertools.islice(dataset, size))
+    else:
+        items = [dataset[index] for index in range(min(size, len(dataset)))]
     try:
         return (collate or default_collate)(items)
     except Exception as error:  # noqa: BLE001 (whatever the collate function raises)

@@ -1,0 +1,111 @@
+"""data=text_stream: the streamed split's windows, sharded over ranks and DataLoader workers,
+each read once per epoch, in the same order for any num_workers, resumed at a global position."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework.components.data import train_loader
+from framework.components.data_stream import TextStream, WindowReader, text_stream
+from framework.core.launch_context import DistEnv
+
+BLOCK, BATCH = 8, 3  # tokens per window; windows per rank's batch
+
+
+class WindowNumbers(TextStream):
+    """The stream's own sharding, with each window's number as its sample (its id: it starts
+    at token number * stride of the epoch's concatenation)."""
+
+    def window(self, reader: WindowReader, number: int) -> int:
+        return number
+
+
+def corpus(folder: Path, files: int = 9) -> list[Path]:
+    rng = random.Random(0)
+    paths = []
+    for index in range(files):
+        path = folder / f"part{index}.txt"
+        path.write_bytes(bytes(rng.randrange(32, 127) for _ in range(rng.randrange(40, 200))))
+        paths.append(path)
+    return paths
+
+
+def rank_batches(
+    stream: TextStream, rank: int, world_size: int, workers: int, epoch: int = 0, start: int = 0
+) -> list[list[int]]:
+    """What rank `rank`'s training loader yields in an epoch, from global position `start`."""
+    data = {"batch_size": BATCH, "shuffle": True, "num_workers": workers, "drop_last": True}
+    data |= {"pin_memory": False, "persistent_workers": False}
+    env = DistEnv(rank=rank, world_size=world_size, local_world_size=world_size)
+    loader, position = train_loader(stream, data, env, seed=7, device=torch.device("cpu"))
+    position.set_epoch(epoch, start=start)
+    batches = [batch.tolist() for batch in loader]
+    assert len(batches) == len(loader)
+    return batches
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_window_is_read_once_per_epoch_in_the_same_order_for_any_workers(
+    tmp_path, world_size
+):
+    stream = WindowNumbers(corpus(tmp_path), BLOCK, BLOCK, shuffle_buffer=16)
+    reference = stream.for_rank(0, 1, 1, seed=7, shuffle=True)
+    global_batch = BATCH * world_size
+    for epoch in (0, 1):
+        reference.set_epoch(epoch)
+        order = list(reference.global_order())
+        assert sorted(order) == list(range(stream.windows()))
+        used = len(order) // global_batch * global_batch
+        by_workers = {
+            workers: [
+                rank_batches(stream, r, world_size, workers, epoch) for r in range(world_size)
+            ]
+            for workers in (0, 2)
+        }
+        assert by_workers[0] == by_workers[2]  # same batches, same order, same ranks
+        ranks = by_workers[0]
+        steps = used // global_batch
+        assert all(len(batches) == steps for batches in ranks)
+        seen = [n for step in range(steps) for batches in ranks for n in batches[step]]
+        assert sorted(seen) == sorted(order[:used])  # each window of the epoch exactly once
+        for step in range(steps):  # step s reads global batch s, whatever the world size
+            at_step = {n for batches in ranks for n in batches[step]}
+            assert at_step == set(order[step * global_batch : (step + 1) * global_batch])
+    reference.set_epoch(0)
+    first = list(reference.global_order())
+    reference.set_epoch(1)
+    assert list(reference.global_order()) != first  # shuffled again each epoch
+
+
+@pytest.mark.parametrize(("world_size", "workers"), [(1, 0), (2, 2), (3, 0), (3, 2)])
+def test_a_resumed_epoch_reads_exactly_the_rest(tmp_path, world_size, workers):
+    """Two global batches consumed (on any world size): the rest of each rank's shard."""
+    stream = WindowNumbers(corpus(tmp_path), BLOCK, BLOCK, shuffle_buffer=16)
+    consumed = 2 * BATCH * world_size
+    for rank in range(world_size):
+        whole = rank_batches(stream, rank, world_size, workers, epoch=1)
+        resumed = rank_batches(stream, rank, world_size, workers, epoch=1, start=consumed)
+        assert resumed == whole[2:]
+
+
+def test_a_window_is_the_bytes_of_the_files_it_spans_one_token_per_byte(tmp_path, monkeypatch):
+    """Unshuffled, the files in sorted order, their bytes one after another; bytes >= 128
+    become '?' (63)."""
+    monkeypatch.setenv("FRAMEWORK_DATA_DIRS", str(tmp_path))
+    (tmp_path / "a.txt").write_bytes(b"abcdef")
+    (tmp_path / "b.txt").write_bytes("gh\u00e9ijklmnopqrstuvwxyz".encode())
+    (tmp_path / "c.txt").write_bytes(b"0123456789")
+    splits = text_stream(str(tmp_path / "*.txt"), 4, stride=4, val_files=1, shuffle_buffer=2)
+    stream = splits.train.for_rank(0, 1, 1, seed=0, shuffle=False)
+    kept = sorted(path.name for path in stream.files)
+    text = b"".join((tmp_path / name).read_bytes() for name in kept)
+    expected = torch.tensor([b if b < 128 else 63 for b in text])
+    windows = list(stream)
+    assert len(windows) == len(stream) == (len(text) - 5) // 4 + 1
+    for number, (inputs, targets) in enumerate(windows):
+        assert torch.equal(inputs, expected[number * 4 : number * 4 + 4])
+        assert torch.equal(targets, expected[number * 4 + 1 : number * 4 + 5])
