@@ -18,13 +18,38 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 # No dropout or augmentation: per-rank RNG streams, which cannot carry over, draw nothing.
 BASE = (*TINY, "model=mlp", "scheduler=constant", "checkpoint.every=6", "optimizer.fused=false")
 LEGS = [(2, 6, 6), (1, 12, 12), (3, 4, 18)]  # (ranks, per-rank batch, last step)
+# A tiny char GPT on data=text_stream: 12 text files of about 600 bytes, 16-token windows.
+STREAM = (
+    "task=language_model",
+    "model=gpt",
+    "data=text_stream",
+    "data.block_size=16",
+    "data.stride=16",
+    "data.val_files=2",
+    "data.shuffle_buffer=32",
+    "model.layers=1",
+    "model.heads=2",
+    "model.width=16",
+    "task.sample_tokens=0",
+    "trainer.log_every=1",
+    "scheduler=constant",
+    "checkpoint.every=6",
+    "optimizer.fused=false",
+)
 
 
 def leg(
-    ranks: int, batch: int, steps: int, strategy: str, fmt: str, run_dir: Path, *extra: str
+    ranks: int,
+    batch: int,
+    steps: int,
+    strategy: str,
+    fmt: str,
+    run_dir: Path,
+    *extra: str,
+    base: tuple[str, ...] = BASE,
 ) -> dict:
     cfg = make_cfg(
-        *BASE,
+        *base,
         f"strategy={strategy}",
         fmt,
         f"launcher.nproc_per_node={ranks}",
@@ -63,6 +88,52 @@ def test_two_then_one_then_three_ranks_continue_the_two_rank_run(tmp_path, strat
         previous = run_dir / "checkpoints" / "last.pt"
     # Model and optimizer (momentum) resharded, the data continued from the global position.
     torch.testing.assert_close(losses, train_losses(tmp_path / "straight"), rtol=1e-5, atol=1e-6)
+    expected, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "leg2")
+    for name, tensor in expected.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_streamed_char_gpt_goes_on_from_its_stream_position_on_two_then_one_then_three_ranks(
+    tmp_path, monkeypatch
+):
+    """data=text_stream: each leg reads the windows the uninterrupted run read at those steps,
+    the one-rank leg through 2 DataLoader workers: the same losses, the same weights."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "streams",
+        "resume",
+        "exactly",
+    ]
+    for index in range(12):
+        line = " ".join(words[(index + step) % len(words)] for step in range(100))
+        (texts / f"part{index:02d}.txt").write_text(line[:600])
+    monkeypatch.setenv("FRAMEWORK_DATA_DIRS", str(texts))
+    stream = (*STREAM, f"data.files={texts}/*.txt")
+    common = ("ddp", "checkpoint.format=file")
+    leg(2, 6, 18, *common, tmp_path / "straight", base=stream)
+    losses, previous = [], None
+    for index, (ranks, batch, steps) in enumerate(LEGS):
+        run_dir = tmp_path / f"leg{index}"
+        resume = () if previous is None else (f"checkpoint.resume={previous}",)
+        workers = ("data.num_workers=2",) if ranks == 1 else ()
+        summary = leg(ranks, batch, steps, *common, run_dir, *resume, *workers, base=stream)
+        assert summary["steps"] == steps and summary["world_size"] == ranks
+        losses += train_losses(run_dir)
+        previous = run_dir / "checkpoints" / "last.pt"
+    straight = train_losses(tmp_path / "straight")
+    assert len(losses) == len(straight) == 18
+    torch.testing.assert_close(losses, straight, rtol=1e-5, atol=1e-6)
     expected, resumed = final_weights(tmp_path / "straight"), final_weights(tmp_path / "leg2")
     for name, tensor in expected.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
