@@ -60,8 +60,9 @@ def matched_files(pattern: str) -> list[Path]:
     paths = sorted(Path(name) for name in glob.glob(pattern, recursive=True))
     files = [path for path in paths if path.is_file()]
     for path in files:
-        if problem := outside_data_dirs(str(path.resolve()), Path.cwd(), os.environ):
-            raise ValueError(f"data.files={pattern}: {path} {problem}")
+        real = path.resolve()
+        if problem := outside_data_dirs(str(real), Path.cwd(), os.environ):
+            raise ValueError(f"data.files={pattern}: {path} (a link to {real}) {problem}")
     if not files:
         raise ValueError(f"data.files={pattern} matches no file: give a glob of text files")
     return files

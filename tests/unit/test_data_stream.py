@@ -109,3 +109,19 @@ def test_a_window_is_the_bytes_of_the_files_it_spans_one_token_per_byte(tmp_path
     for number, (inputs, targets) in enumerate(windows):
         assert torch.equal(inputs, expected[number * 4 : number * 4 + 4])
         assert torch.equal(targets, expected[number * 4 + 1 : number * 4 + 5])
+
+
+def test_a_link_out_of_the_data_dirs_is_refused_when_the_files_are_matched(tmp_path, monkeypatch):
+    """The glob lies in an allowed folder, one match is a link to a file outside it."""
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "key").write_text("not for the run dir")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for index in range(3):
+        (texts / f"{index}.txt").write_text("some text " * 10)
+    (texts / "3.txt").symlink_to(tmp_path / "secret" / "key")
+    monkeypatch.setenv("FRAMEWORK_DATA_DIRS", str(texts))
+    with pytest.raises(
+        ValueError, match=r"3.txt \(a link to .*secret/key\) lies outside the working directory"
+    ):
+        text_stream(str(texts / "*.txt"), 4, stride=4, val_files=1, shuffle_buffer=2)

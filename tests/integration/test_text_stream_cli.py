@@ -1,0 +1,44 @@
+"""data=text_stream from the command line: a short run of the char GPT on the streamed standard
+library, and data.files refused outside the folders it may read (docs/data.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import read_metrics
+
+SMALL_GPT = ("model.layers=1", "model.width=32", "task.sample_tokens=20", "trainer.log_every=2")
+
+
+@pytest.mark.parametrize("files", ["/etc/passwd", "../*/.ssh/*", "texts/*/../../../*"])
+def test_data_files_outside_the_project_and_the_data_dirs_is_one_line_and_no_run_dir(
+    cli, tmp_path, files
+):
+    (tmp_path / "texts").mkdir()
+    result = cli("experiment=char_gpt", "data=text_stream", f"data.files={files}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: data.files={files} lies outside the working directory and the folders "
+        "$FRAMEWORK_DATA_DIRS names: move the files under the project, or add their folder to "
+        "$FRAMEWORK_DATA_DIRS (data.files=null streams the standard library's source)"
+    ]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["texts"]  # no run dir
+
+
+def test_char_gpt_trains_on_the_streamed_standard_library_from_the_command_line(cli, tmp_path):
+    """The documented command, shortened: the default corpus, 2 ranks, 2 workers each."""
+    run_dir = tmp_path / "run"
+    result = cli(
+        "experiment=char_gpt",
+        "data=text_stream",
+        "data.num_workers=2",
+        "trainer.max_steps=4",
+        *SMALL_GPT,
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [e["train/loss"] for e in read_metrics(run_dir) if "train/loss" in e]
+    assert len(losses) == 2 and losses[-1] < losses[0]
+    assert [e["step"] for e in read_metrics(run_dir) if "val/loss" in e] == [4]
+    assert "the model's continuation (20 tokens" in (run_dir / "samples.txt").read_text()
