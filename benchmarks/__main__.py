@@ -17,6 +17,8 @@ written to benchmarks/results/<name>.json (and a PNG where it plots).
                floor of any Hydra app (import hydra, compose once)
     front_door what the command loads and how often it composes before it answers or runs: a
                refused typo, a single run, a 2-job sweep
+    stream     data=text_stream: a rank's peak memory at 1x and 10x the data, and its
+               throughput against data=text's on the same text
     all        every one of the above, in that order
 
     gpu        one prepared check of the CUDA path on a lent GPU, every step timed into
@@ -43,6 +45,7 @@ BENCHMARKS = (
     "memory",
     "mistakes",
     "front_door",
+    "stream",
 )
 
 
