@@ -42,3 +42,14 @@ def test_char_gpt_trains_on_the_streamed_standard_library_from_the_command_line(
     assert len(losses) == 2 and losses[-1] < losses[0]
     assert [e["step"] for e in read_metrics(run_dir) if "val/loss" in e] == [4]
     assert "the model's continuation (20 tokens" in (run_dir / "samples.txt").read_text()
+
+
+def test_a_data_files_name_longer_than_a_file_system_takes_is_one_line(cli, tmp_path):
+    """data.files is a path-named key: its text is judged as a path's (framework/app/
+    job_values.py), before anything looks for the files."""
+    files = f"texts/{'x' * 300}/*.txt"
+    result = cli("experiment=char_gpt", "data=text_stream", f"data.files={files}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "is longer than the 255 bytes allowed" in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -125,3 +125,40 @@ def test_a_link_out_of_the_data_dirs_is_refused_when_the_files_are_matched(tmp_p
         ValueError, match=r"3.txt \(a link to .*secret/key\) lies outside the working directory"
     ):
         text_stream(str(texts / "*.txt"), 4, stride=4, val_files=1, shuffle_buffer=2)
+
+
+class Letters(TextStream):
+    """A user's own stream: its own transform (a dict of the window's tokens, upper-cased)."""
+
+    def sample(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        upper = torch.where((tokens >= 97) & (tokens <= 122), tokens - 32, tokens)
+        return {"inputs": upper[:-1], "targets": upper[1:]}
+
+
+def count_batch(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Its own collate: stacked, with the batch's size."""
+    return {
+        "inputs": torch.stack([s["inputs"] for s in samples]),
+        "size": torch.tensor(len(samples)),
+    }
+
+
+def test_a_users_own_stream_with_its_own_transform_and_collate_is_sharded_alike(tmp_path):
+    files = corpus(tmp_path)
+    own = Letters(files, BLOCK, BLOCK, shuffle_buffer=16)
+    numbers = WindowNumbers(files, BLOCK, BLOCK, shuffle_buffer=16)
+    data = {"batch_size": BATCH, "shuffle": True, "num_workers": 2, "drop_last": True}
+    data |= {"pin_memory": False, "persistent_workers": False}
+    env = DistEnv(rank=1, world_size=2, local_world_size=2)
+    cpu = torch.device("cpu")
+    loader, position = train_loader(own, data, env, seed=7, device=cpu, collate_fn=count_batch)
+    position.set_epoch(0)
+    batches = list(loader)
+    expected = rank_batches(numbers, rank=1, world_size=2, workers=0)
+    assert len(batches) == len(expected) > 0
+    with WindowReader(numbers.for_rank(1, 2, BATCH, 7, True)) as reader:
+        for batch, windows in zip(batches, expected, strict=True):
+            assert int(batch["size"]) == BATCH
+            tokens = torch.stack([reader.tokens(number)[:-1] for number in windows])
+            lower = (tokens >= 97) & (tokens <= 122)
+            assert torch.equal(batch["inputs"], torch.where(lower, tokens - 32, tokens))
