@@ -97,7 +97,7 @@ def text_stream(
         )
     held_out = stable_order(corpus)[:val_files]
     val_tokens = torch.cat([ascii_tokens(path.read_bytes()) for path in held_out])
-    training = [path for path in corpus if path not in set(held_out)]
+    training = sorted(set(corpus) - set(held_out))
     return Splits(
         train=TextStream(training, block_size, stride, shuffle_buffer),
         val=TokenWindows(val_tokens, block_size, block_size),

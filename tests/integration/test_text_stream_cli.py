@@ -53,3 +53,22 @@ def test_a_data_files_name_longer_than_a_file_system_takes_is_one_line(cli, tmp_
     assert len(result.stderr.strip().splitlines()) == 1
     assert "is longer than the 255 bytes allowed" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_persistent_workers_on_a_stream_is_one_line_and_no_run_dir(cli, tmp_path):
+    """Persistent workers keep the copy of the stream made at the first epoch: they would read
+    epoch 0's order again, and a resumed run's first epoch from its start position."""
+    result = cli(
+        "experiment=char_gpt",
+        "data=text_stream",
+        "data.persistent_workers=true",
+        "data.num_workers=2",
+        "trainer.max_steps=2",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "error: data.persistent_workers=true keeps a stream's workers from seeing each epoch's "
+        "position: set data.persistent_workers=false"
+    ]
+    assert list(tmp_path.iterdir()) == []
