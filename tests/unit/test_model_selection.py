@@ -110,6 +110,7 @@ def test_a_best_checkpoint_is_saved_before_its_evaluation_is_recorded():
         "best_score": 1.0,
         "stale_evaluations": 0,
         "stopped_early": None,
+        "pruned": None,
     }
 
 
@@ -136,6 +137,7 @@ def test_selection_state_round_trips_into_a_fresh_selection():
         "best_score": 1.5,
         "stale_evaluations": 2,
         "stopped_early": None,
+        "pruned": None,
     }
     # The restored one carries on where the first stopped: one more stale evaluation stops it.
     restored.after_evaluation(25, {"val/loss": 1.55}, periodic=True, save_best=lambda s: None)

@@ -1,0 +1,65 @@
+"""hydra/sweeper=optuna_prune's settings, checked with the rest of the config before any trial
+starts: the pruner is one of core/pruners.py's, its settings within their bounds, the objective
+a validation metric each evaluation reports (in the direction the study optimises), and the
+runs evaluate during training. Pruner settings under another sweeper are refused too: it would
+run every trial to its end."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config.keys import check_call_settings
+from framework.config.validation import resolve_objective, task_directions
+from framework.core.exits import ConfigError
+from framework.core.pruners import PRUNERS, PRUNING_SWEEPER, pruner_target
+
+PRUNER_KEYS = ("pruner", *PRUNERS)
+OPTION = "hydra/sweeper=optuna_prune"
+
+
+def check_pruning(cfg: DictConfig) -> None:
+    sweeper = OmegaConf.select(cfg, "hydra.sweeper")
+    if not isinstance(sweeper, DictConfig):
+        return
+    if sweeper.get("_target_") != PRUNING_SWEEPER:
+        if set(map(str, sweeper)) & set(PRUNER_KEYS):
+            raise ConfigError(pruner_elsewhere("hydra.sweeper.pruner"))
+        return
+    name = sweeper.pruner
+    if name not in PRUNERS:
+        raise ConfigError(f"hydra.sweeper.pruner={name} is not one of {', '.join(PRUNERS)}")
+    check_call_settings(f"hydra.sweeper.{name}", sweeper[name], pruner_target(name))
+    if cfg.trainer.eval_every < 1:
+        raise ConfigError(
+            f"{OPTION} prunes at evaluations: set trainer.eval_every (steps between "
+            "evaluations) >= 1"
+        )
+    directions = task_directions(cfg.task)
+    if directions is None:  # (a task whose source does not say: its rank checks the objective)
+        return
+    objective, direction = resolve_objective(cfg.objective, directions)
+    if objective not in directions:
+        raise ConfigError(
+            f"objective={objective} is not reported at each evaluation, so {OPTION} cannot "
+            f"prune on it: choose one of {', '.join(directions)}"
+        )
+    wanted = "maximize" if direction == "max" else "minimize"
+    if str(sweeper.direction) not in (wanted, f"Direction.{wanted}"):
+        raise ConfigError(
+            f"hydra.sweeper.direction={sweeper.direction} but {objective} is better when "
+            f"{'higher' if direction == 'max' else 'lower'}: set "
+            f"hydra.sweeper.direction={wanted}"
+        )
+
+
+def pruner_elsewhere(key: str) -> str:
+    return (
+        f"{key} is a setting of {OPTION} (Optuna with a pruner): add {OPTION}; the basic and "
+        "optuna sweepers run every trial to its end"
+    )
+
+
+def is_pruner_key(key: str) -> bool:
+    return key.lstrip("+~").split(".")[:3][-1] in PRUNER_KEYS and key.lstrip("+~").startswith(
+        "hydra.sweeper."
+    )
