@@ -28,7 +28,8 @@ def check_pruning(cfg: DictConfig) -> None:
     name = sweeper.pruner
     if name not in PRUNERS:
         raise ConfigError(f"hydra.sweeper.pruner={name} is not one of {', '.join(PRUNERS)}")
-    check_call_settings(f"hydra.sweeper.{name}", sweeper[name], pruner_target(name))
+    for pruner in PRUNERS:  # (the others' too: a value set is a value judged)
+        check_call_settings(f"hydra.sweeper.{pruner}", sweeper[pruner], pruner_target(pruner))
     if cfg.trainer.eval_every < 1:
         raise ConfigError(
             f"{OPTION} prunes at evaluations: set trainer.eval_every (steps between "
@@ -44,9 +45,10 @@ def check_pruning(cfg: DictConfig) -> None:
             f"prune on it: choose one of {', '.join(directions)}"
         )
     wanted = "maximize" if direction == "max" else "minimize"
-    if str(sweeper.direction) not in (wanted, f"Direction.{wanted}"):
+    given = str(sweeper.direction).removeprefix("Direction.")
+    if given != wanted:
         raise ConfigError(
-            f"hydra.sweeper.direction={sweeper.direction} but {objective} is better when "
+            f"hydra.sweeper.direction={given} but {objective} is better when "
             f"{'higher' if direction == 'max' else 'lower'}: set "
             f"hydra.sweeper.direction={wanted}"
         )

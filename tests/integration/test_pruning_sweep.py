@@ -107,3 +107,74 @@ def test_pruned_trials_stop_on_every_rank_at_one_step_and_are_marked_pruned(cli,
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Launching" not in again.stderr and "world_size=" not in again.stderr
     assert [t.state.name for t in study_trials(sweep)] == states
+
+
+SHORT = ("hydra.sweeper.n_trials=1", "trainer.max_steps=2", "model=mlp", "data=synthetic")
+PRUNE = ("-m", "hydra/sweeper=optuna_prune", "hydra.sweeper.direction=maximize")
+EVALUATES = ("trainer.eval_every=2", "optimizer.lr=tag(log,interval(0.001,0.1))")
+BAD_INPUT = [
+    # An objective that no evaluation reports (samples_per_s: only at the end) or none at all.
+    (
+        (*PRUNE, *EVALUATES, "objective=samples_per_s"),
+        "objective=samples_per_s is not reported at each evaluation, so "
+        "hydra/sweeper=optuna_prune cannot prune on it: choose one of val/accuracy, val/loss",
+    ),
+    ((*PRUNE, *EVALUATES, "objective=val/acuracy"), "objective='val/acuracy' is not a metric"),
+    # Pruner settings out of range, or a pruner there is not.
+    (
+        (*PRUNE, *EVALUATES, "hydra.sweeper.pruner=asha", "hydra.sweeper.asha.reduction_factor=1"),
+        "hydra.sweeper.asha.reduction_factor=1 must be >= 2",
+    ),
+    (
+        (*PRUNE, *EVALUATES, "hydra.sweeper.median.n_warmup_steps=-1"),
+        "hydra.sweeper.median.n_warmup_steps=-1 must be >= 0",
+    ),
+    (
+        (*PRUNE, *EVALUATES, "hydra.sweeper.hyperband.min_resource=zero"),
+        "hydra.sweeper.hyperband.min_resource='zero' is not of type int",
+    ),
+    (
+        (*PRUNE, *EVALUATES, "hydra.sweeper.pruner=patient"),
+        "hydra.sweeper.pruner=patient is not one of median, asha, hyperband",
+    ),
+    # A pruner with a sweeper that cannot prune.
+    (
+        ("-m", "hydra.sweeper.pruner=asha", "optimizer.lr=0.1,0.01", "trainer.eval_every=2"),
+        "hydra.sweeper.pruner is a setting of hydra/sweeper=optuna_prune (Optuna with a pruner): "
+        "add hydra/sweeper=optuna_prune; the basic and optuna sweepers run every trial to its end",
+    ),
+    (
+        ("-m", "+hydra.sweeper.pruner=asha", "optimizer.lr=0.1,0.01", "trainer.eval_every=2"),
+        "hydra.sweeper.pruner is a setting of hydra/sweeper=optuna_prune",
+    ),
+    (
+        ("-m", "hydra/sweeper=optuna", "hydra.sweeper.asha.min_resource=2", *EVALUATES),
+        "hydra.sweeper.asha.min_resource is a setting of hydra/sweeper=optuna_prune",
+    ),
+    # Nothing to prune at, or the study optimising the other way.
+    (
+        (
+            "-m",
+            "hydra/sweeper=optuna_prune",
+            "hydra.sweeper.direction=maximize",
+            "trainer.eval_every=0",
+        ),
+        "hydra/sweeper=optuna_prune prunes at evaluations: set trainer.eval_every",
+    ),
+    (
+        ("-m", "hydra/sweeper=optuna_prune", *EVALUATES),
+        "hydra.sweeper.direction=minimize but val/accuracy is better when higher: set "
+        "hydra.sweeper.direction=maximize",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "said"), BAD_INPUT)
+def test_bad_pruning_settings_are_one_line_before_any_trial(cli, tmp_path, argv, said):
+    sweep = tmp_path / "sweep"
+    # Short, should a mistake get through: one trial (a choice sweep: two jobs) of two steps.
+    result = cli(*argv, *SHORT, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    [line] = result.stderr.strip().splitlines()
+    assert said in line, line
+    assert not sweep.exists()
