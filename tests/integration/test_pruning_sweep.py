@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import optuna
 import pytest
 
 from framework.core.pruners import STUDY_FILE, storage_url
-from tests.conftest import read_metrics
+from tests.conftest import DIST_ENV_VARS, FAULTS, read_metrics
+from tests.faults import FAULT_ENV
 
 TINY = (
     "model=mlp",
@@ -178,3 +184,64 @@ def test_bad_pruning_settings_are_one_line_before_any_trial(cli, tmp_path, argv,
     [line] = result.stderr.strip().splitlines()
     assert said in line, line
     assert not sweep.exists()
+
+
+# Never pruned (a median pruner that waits for 10 trials): the resume is the point here.
+RESUMABLE = (
+    *PRUNING,
+    "hydra.sweeper.n_trials=3",
+    "hydra.sweeper.median.n_startup_trials=10",
+    "optimizer.lr=tag(log,interval(0.001,0.1))",
+    *FAULTS,
+    "trainer.max_steps=6",
+    "trainer.eval_every=2",
+    "checkpoint.every=2",
+)
+
+
+def killed_midway(sweep: Path, cwd: Path) -> str:
+    """The sweep, SIGKILLed with its process group once job 1 has saved its step-2 checkpoint
+    (every rank 0 step sleeps 0.3 s: job 1 is then mid-run). Returns its stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    env[FAULT_ENV] = "slow:0:1"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "framework.cli", *RESUMABLE, f"hydra.sweep.dir={sweep}"],
+        cwd=cwd,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    checkpoint = sweep / "1" / "checkpoints" / "step_00000002.pt"
+    deadline = time.monotonic() + 240
+    while not checkpoint.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=60)
+    assert checkpoint.exists(), stderr[-3000:]
+    return stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_sweep_resumes_with_the_same_command(cli, tmp_path):
+    sweep = tmp_path / "sweep"
+    killed_midway(sweep, tmp_path)
+    assert [t.state.name for t in study_trials(sweep)] == ["COMPLETE", "RUNNING"]
+    assert not (sweep / "1" / "summary.json").exists()
+    finished_log = (sweep / "0" / "train.log").read_text()
+
+    result = cli(*RESUMABLE, f"hydra.sweep.dir={sweep}", cwd=tmp_path, env={FAULT_ENV: None})
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = study_trials(sweep)
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
+    assert [t.user_attrs["job"] for t in trials] == [0, 1, 2]
+    # The finished trial did not run again; the cut-off one went on from its checkpoint.
+    assert (sweep / "0" / "train.log").read_text() == finished_log
+    resumed = (sweep / "1" / "train.log").read_text()
+    assert re.search(r"resumed from \S+step_0000000[24]\.pt at step [24] ", resumed), resumed
+    for trial in trials:
+        summary = json.loads((sweep / str(trial.user_attrs["job"]) / "summary.json").read_text())
+        assert summary["steps"] == 6 and trial.value == summary["val/accuracy"]
+    rows = summary_rows(sweep)
+    assert [rows[job]["status"] for job in ("0", "1", "2")] == ["completed"] * 3
