@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.config.keys import check_call_settings
 from framework.config.validation import resolve_objective, task_directions
 from framework.core.exits import ConfigError
-from framework.core.pruners import PRUNERS, PRUNING_SWEEPER, pruner_target
+from framework.core.pruners import PRUNERS, PRUNING_SWEEPER, pruner_defaults, pruner_target
 
 PRUNER_KEYS = ("pruner", *PRUNERS)
 OPTION = "hydra/sweeper=optuna_prune"
@@ -61,7 +61,13 @@ def pruner_elsewhere(key: str) -> str:
     )
 
 
-def is_pruner_key(key: str) -> bool:
-    return key.lstrip("+~").split(".")[:3][-1] in PRUNER_KEYS and key.lstrip("+~").startswith(
-        "hydra.sweeper."
-    )
+def unknown_pruner_key(key: str) -> str | None:
+    """What to say of `key` (one Hydra could not override: the node lacks it) where it is a
+    pruning sweep's: a setting no pruner takes, or one given to a sweeper without pruners."""
+    parts = key.lstrip("+~").split(".")
+    if parts[:2] != ["hydra", "sweeper"] or len(parts) < 3 or parts[2] not in PRUNER_KEYS:
+        return None
+    if len(parts) == 4 and parts[2] in PRUNERS and parts[3] not in pruner_defaults(parts[2]):
+        takes = ", ".join(pruner_defaults(parts[2]))
+        return f"{key} is not a setting of the {parts[2]} pruner: it takes {takes}"
+    return pruner_elsewhere(key.lstrip("+~"))

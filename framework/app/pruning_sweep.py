@@ -68,7 +68,6 @@ class PruningSweeperImpl(OptunaSweeperImpl):
             distributions.pop(name, None)
         self._grid_sampler(distributions)
         study = self._open_study()
-        self.search = (distributions, fixed)
         trials = study.get_trials(deepcopy=False)
         cut_off = [trial for trial in trials if trial.state.name not in ENDED]
         ended = len(trials) - len(cut_off)
@@ -80,6 +79,9 @@ class PruningSweeperImpl(OptunaSweeperImpl):
                 len(cut_off),
             )
         for trial in cut_off:  # each as the job it was, which resumes from its checkpoint
+            if OVERRIDES_ATTR not in trial.user_attrs:  # asked, never launched: nothing to run
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                continue
             self._run(
                 study,
                 [trial.number],

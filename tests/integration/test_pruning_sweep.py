@@ -115,8 +115,13 @@ def test_pruned_trials_stop_on_every_rank_at_one_step_and_are_marked_pruned(cli,
     assert [t.state.name for t in study_trials(sweep)] == states
 
 
-SHORT = ("hydra.sweeper.n_trials=1", "trainer.max_steps=2", "model=mlp", "data=synthetic")
-PRUNE = ("-m", "hydra/sweeper=optuna_prune", "hydra.sweeper.direction=maximize")
+SHORT = ("trainer.max_steps=2", "model=mlp", "data=synthetic")
+PRUNE = (
+    "-m",
+    "hydra/sweeper=optuna_prune",
+    "hydra.sweeper.direction=maximize",
+    "hydra.sweeper.n_trials=1",
+)
 EVALUATES = ("trainer.eval_every=2", "optimizer.lr=tag(log,interval(0.001,0.1))")
 BAD_INPUT = [
     # An objective that no evaluation reports (samples_per_s: only at the end) or none at all.
@@ -154,8 +159,19 @@ BAD_INPUT = [
         "hydra.sweeper.pruner is a setting of hydra/sweeper=optuna_prune",
     ),
     (
-        ("-m", "hydra/sweeper=optuna", "hydra.sweeper.asha.min_resource=2", *EVALUATES),
+        (
+            "-m",
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.n_trials=1",
+            "hydra.sweeper.asha.min_resource=2",
+            *EVALUATES,
+        ),
         "hydra.sweeper.asha.min_resource is a setting of hydra/sweeper=optuna_prune",
+    ),
+    (
+        (*PRUNE, *EVALUATES, "hydra.sweeper.asha.patience=3"),
+        "hydra.sweeper.asha.patience is not a setting of the asha pruner: it takes "
+        "min_resource, reduction_factor, min_early_stopping_rate",
     ),
     # Nothing to prune at, or the study optimising the other way.
     (
@@ -163,12 +179,13 @@ BAD_INPUT = [
             "-m",
             "hydra/sweeper=optuna_prune",
             "hydra.sweeper.direction=maximize",
+            "hydra.sweeper.n_trials=1",
             "trainer.eval_every=0",
         ),
         "hydra/sweeper=optuna_prune prunes at evaluations: set trainer.eval_every",
     ),
     (
-        ("-m", "hydra/sweeper=optuna_prune", *EVALUATES),
+        ("-m", "hydra/sweeper=optuna_prune", "hydra.sweeper.n_trials=1", *EVALUATES),
         "hydra.sweeper.direction=minimize but val/accuracy is better when higher: set "
         "hydra.sweeper.direction=maximize",
     ),
@@ -178,7 +195,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize(("argv", "said"), BAD_INPUT)
 def test_bad_pruning_settings_are_one_line_before_any_trial(cli, tmp_path, argv, said):
     sweep = tmp_path / "sweep"
-    # Short, should a mistake get through: one trial (a choice sweep: two jobs) of two steps.
+    # Short, should a mistake get through: one trial (a basic sweep: two jobs) of two steps.
     result = cli(*argv, *SHORT, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     [line] = result.stderr.strip().splitlines()
