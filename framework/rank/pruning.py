@@ -66,10 +66,9 @@ def open_trial(job: int, study_file: Path) -> tuple[Any, str] | None:
     # Opening a study migrates its schema (alembic) and says so at INFO: not the run's news.
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    storage = storage_url(study_file)
-    [summary] = optuna.study.get_all_study_summaries(storage)
-    probe = optuna.load_study(study_name=summary.study_name, storage=storage)
-    pruner = probe.user_attrs[PRUNER_ATTR]
+    storage = optuna.storages.RDBStorage(storage_url(study_file))  # opened once: it checks
+    [summary] = optuna.study.get_all_study_summaries(storage)  # its schema each time
+    pruner = summary.user_attrs[PRUNER_ATTR]
     study = optuna.load_study(
         study_name=summary.study_name,
         storage=storage,
