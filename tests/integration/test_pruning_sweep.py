@@ -262,3 +262,41 @@ def test_a_killed_sweep_resumes_with_the_same_command(cli, tmp_path):
         assert summary["steps"] == 6 and trial.value == summary["val/accuracy"]
     rows = summary_rows(sweep)
     assert [rows[job]["status"] for job in ("0", "1", "2")] == ["completed"] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trials_run_in_parallel_as_submitit_jobs_each_reporting_to_the_study(cli, tmp_path):
+    """launcher=slurm_local: each trial's ranks are submitit tasks (rank 0's task starts its
+    rank in the job's own process), both trials at once; each rank 0 reports to the one study
+    file while the other trial's does."""
+    sweep = tmp_path / "sweep"
+    result = cli(
+        *PRUNING[:-1],
+        "launcher=slurm_local",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.median.n_startup_trials=1",
+        "optimizer.lr=tag(log,interval(0.00001,1.0))",
+        "trainer.max_steps=8",
+        *TINY,
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = study_trials(sweep)
+    assert [t.user_attrs["job"] for t in trials] == [0, 1]
+    rows = summary_rows(sweep)
+    for trial in trials:
+        reported = sorted(trial.intermediate_values)  # by its rank 0, at each evaluation
+        assert reported and reported == [2, 4, 6][: len(reported)]
+        summary = json.loads((sweep / str(trial.user_attrs["job"]) / "summary.json").read_text())
+        if trial.state.name == "PRUNED":
+            step = max(trial.intermediate_values)
+            assert (
+                summary["steps"] == step
+                and rows[str(trial.user_attrs["job"])]["status"] == "pruned"
+            )
+        else:
+            assert trial.state.name == "COMPLETE" and summary["steps"] == 8
+    assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == 4  # 2 trials x 2 ranks
