@@ -36,7 +36,11 @@ def median(
     """A trial worse than the median of earlier trials at the same step is pruned."""
     import optuna  # (hydra-optuna-sweeper's dependency: only a pruning sweep needs it)
 
-    return optuna.pruners.MedianPruner(n_startup_trials, n_warmup_steps, interval_steps)
+    return optuna.pruners.MedianPruner(
+        n_startup_trials=n_startup_trials,
+        n_warmup_steps=n_warmup_steps,
+        interval_steps=interval_steps,
+    )
 
 
 def asha(
@@ -49,7 +53,9 @@ def asha(
     import optuna  # (as above)
 
     return optuna.pruners.SuccessiveHalvingPruner(
-        min_resource, reduction_factor, min_early_stopping_rate
+        min_resource=min_resource,
+        reduction_factor=reduction_factor,
+        min_early_stopping_rate=min_early_stopping_rate,
     )
 
 
@@ -63,7 +69,9 @@ def hyperband(
     import optuna  # (as above)
 
     return optuna.pruners.HyperbandPruner(
-        min_resource, "auto" if max_resource is None else max_resource, reduction_factor
+        min_resource=min_resource,
+        max_resource="auto" if max_resource is None else max_resource,
+        reduction_factor=reduction_factor,
     )
 
 
