@@ -84,6 +84,17 @@ def check_keys(cfg: DictConfig, bounds: bool = True) -> None:
         raise ConfigError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
 
 
+def check_call_settings(path: str, node: DictConfig, target: str) -> None:
+    """Raise ConfigError for a key of `node` that `target` does not take, or a value not of
+    its type or outside its bounds, as its signature declares them (hydra.sweeper's pruner
+    settings: framework/core/pruners.py)."""
+    signature = signature_of(target)
+    if signature is None:
+        return
+    for key in node:
+        _check_parameter(path, str(key), node, signature, frozenset(), frozenset(), bounds=True)
+
+
 # --- what is missing ------------------------------------------------------------------------
 def _check_builders_named(cfg: DictConfig) -> None:
     """A user's option written without its schema's defaults has no `_target_` at all; its

@@ -52,6 +52,7 @@ from framework.core.distributed import host_group
 from framework.core.exits import ConfigError, ExitCode, first_line, outcome_of
 from framework.core.launch_context import DistEnv
 from framework.rank.model_selection import ModelSelection
+from framework.rank.pruning import TrialReports
 from framework.rank.state import Model, Optimization
 from framework.rank.stopping import SignalExchange, StopRequests
 from framework.storage.checkpoint import restore_rng, rng_state
@@ -418,6 +419,7 @@ def build_training(
             resolve_monitor(cfg.objective, parts.task.directions()),
             keep_best=cfg.checkpoint.best,
             early_stopping=parts.trainer.early_stopping,
+            trial=TrialReports.build(env),
         ),
         # Stop signals travel on a CPU (gloo) group, also when training uses NCCL.
         signals=SignalExchange(env, requests, host_group(env, backend)),

@@ -260,8 +260,12 @@ def fit_run(
 
 
 def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
-    """A checkpoint at the planned last step, or of a run that early stopping ended."""
-    return payload["step"] >= total_steps or bool(payload["trainer"].get("stopped_early"))
+    """A checkpoint at the planned last step, or of a run that early stopping (or a pruning
+    sweep's pruner) ended."""
+    trainer = payload["trainer"]
+    return payload["step"] >= total_steps or bool(
+        trainer.get("stopped_early") or trainer.get("pruned")
+    )
 
 
 def log_already_complete(run: RunDir, payload: dict[str, Any], total_steps: int) -> None:
@@ -270,7 +274,9 @@ def log_already_complete(run: RunDir, payload: dict[str, Any], total_steps: int)
         "trainer.max_epochs to train further",
         run.path,
         payload["step"],
-        payload["trainer"].get("stopped_early") or f"the planned {total_steps} steps",
+        payload["trainer"].get("stopped_early")
+        or payload["trainer"].get("pruned")
+        or f"the planned {total_steps} steps",
     )
 
 
