@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 import framework
 from framework.components.data import Loaders, Splits, build_loaders, load_splits, to_device
 from framework.components.ema import EMA
+from framework.components.initial_weights import LoadPlan
 from framework.components.optim import build_optimizer, scaled_lr
 from framework.components.precision import Precision
 from framework.components.tasks import Task, first_batch
@@ -73,6 +74,7 @@ class Parts:
     train_batch: Any  # the first training batch: the pre-flight check and the FLOPs count
     global_batch_size: int
     total_steps: int
+    initial: LoadPlan | None = None  # the file the weights came from (init=file)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
         # Read once: the pre-flight check and the FLOPs count run on the same first batch.
         train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
         check_task(task, model.module, train_batch, device)
+    initial = load_initial_weights(cfg.init, model)
     startup_clock.mark("model")
     return Parts(
         trainer=trainer,
@@ -124,7 +127,29 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
         train_batch=train_batch,
         global_batch_size=global_batch_size,
         total_steps=total_steps,
+        initial=initial,
     )
+
+
+def initial_plan(init_cfg: DictConfig, module: torch.nn.Module) -> LoadPlan | None:
+    """init=<option>'s plan for `module`: which file tensor fills which key, checked (None:
+    the weights as built). A mismatch is one line naming it (every rank raises alike)."""
+    with settings_refused("init", init_cfg):
+        initial = instantiate(init_cfg)
+    return initial.plan(module)
+
+
+def load_initial_weights(init_cfg: DictConfig, model: Model) -> LoadPlan | None:
+    """The weights training starts from, into the model and its EMA on every rank."""
+    plan = initial_plan(init_cfg, model.module)
+    if plan is None:
+        return None
+    tensors = plan.tensors()
+    for module in (model.module, *([model.ema.module] if model.ema else [])):
+        model.strategy.load_initial(module, tensors)
+    left = f"; left as built: {', '.join(plan.skipped)}" if plan.skipped else ""
+    log.info("init: %d tensors from %s%s", len(tensors), plan.source.path, left)
+    return plan
 
 
 def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:

@@ -49,13 +49,14 @@ from framework.rank.build import (
     compiled,
     seed_everything,
 )
-from framework.rank.eval_mode import EvalRequest, evaluate_checkpoint
+from framework.rank.eval_mode import EvalRequest, evaluate_checkpoint, evaluate_initial_weights
 from framework.rank.finish import final_line, finish
 from framework.rank.loop import Outputs, Runner
 from framework.rank.state import Optimization
 from framework.rank.stopping import StopRequests
 from framework.storage.checkpoint import Checkpointer
 from framework.storage.run_dir import RunDir
+from framework.storage.weights_file import file_record
 
 log = logging.getLogger("framework")
 
@@ -114,6 +115,10 @@ def build_and_run(
     DDP sits in reference cycles, which nothing collects before a rank's process leaves; a
     collection here would also shut down persistent DataLoader workers (15 s: three joins)."""
     parts = build_parts(cfg, env, device)
+    if cfg.mode == "eval" and parts.initial is not None:
+        return evaluate_initial_weights(
+            parts, eval_request(cfg, parts.initial.source.path), run, env
+        )
     if cfg.mode == "eval":
         return evaluate_checkpoint(parts, eval_request(cfg), run, env)
     return train(cfg, parts, run, env, backend, requests)
@@ -152,10 +157,11 @@ def log_layout(
     )
 
 
-def eval_request(cfg: DictConfig) -> EvalRequest:
+def eval_request(cfg: DictConfig, weights: Path | None = None) -> EvalRequest:
+    """mode=eval's settings; `weights`: the file evaluated, else checkpoint.resume."""
     return EvalRequest(
         split=cfg.eval.split,
-        checkpoint=Path(cfg.checkpoint.resume).expanduser(),
+        checkpoint=weights or Path(cfg.checkpoint.resume).expanduser(),
         record=redacted_container(cfg),
         objective=cfg.objective,
         data_target=cfg.data._target_,
@@ -219,6 +225,7 @@ def open_run(cfg: DictConfig, parts: Parts, run: RunDir, env: DistEnv) -> Opened
         return None
     if env.is_main:
         accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
+        record_initial_weights(run, parts, resumed is not None)
     sink = build_sink(
         env.is_main,
         cfg.logger,
@@ -272,6 +279,19 @@ def log_already_complete(run: RunDir, payload: dict[str, Any], total_steps: int)
         payload["step"],
         payload["trainer"].get("stopped_early") or f"the planned {total_steps} steps",
     )
+
+
+def record_initial_weights(run: RunDir, parts: Parts, resumed: bool) -> None:
+    """init.json names the file the weights came from and its checksums, once: a resume
+    continues from its checkpoint's weights (and needs no init.path)."""
+    if parts.initial is None:
+        return
+    if resumed:
+        log.info(
+            "init: %s not used: the checkpoint resumed holds the weights", parts.initial.source.path
+        )
+        return
+    run.save_init_record(file_record(parts.initial.source))
 
 
 def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:

@@ -35,6 +35,7 @@ from framework.rank.build import (
     build_data,
     built,
     check_task,
+    initial_plan,
     planned_steps,
     preserved_rng,
     refused_if_too_large,
@@ -67,6 +68,7 @@ def preflight(cfg: DictConfig, world_size: int) -> None:
         with refused_if_too_large(cfg.model, device):
             module, recipe = strategy.build(lambda: built("model", cfg.model), env)
             strategy.block_names(module)  # what it shards (or checkpoints) is the model's
+            initial_plan(cfg.init, module)  # the weights it starts from fit it
             if recipe is None:
                 check_task(task, module.to(device), trial_batch, device)
             else:

@@ -149,7 +149,7 @@ def tensor_sizes(weights: Mapping[str, Any] | ShardedState) -> dict[str, int]:
     """Bytes of each tensor, by its name in the state_dict, in its order (from the index for a
     sharded checkpoint: nothing is read)."""
     if isinstance(weights, ShardedState):
-        names = _names(weights)
+        names = sharded_names(weights)
         entries = weights.entries()
         return {
             name: entries[key].size.numel() * entries[key].properties.dtype.itemsize
@@ -187,7 +187,7 @@ def shard_paths(output: Path, count: int) -> list[Path]:
     ]
 
 
-def _names(weights: ShardedState) -> dict[str, str]:
+def sharded_names(weights: ShardedState) -> dict[str, str]:
     """{state_dict name: its key in the checkpoint} of a sharded model's flat state_dict."""
     skeleton = weights.skeleton
     keys = set(weights.entries())

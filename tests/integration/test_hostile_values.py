@@ -44,10 +44,11 @@ def hostile_cases() -> list[tuple[tuple[str, ...], str]]:
     """(overrides, the key the one line must name): a path key with each hostile text, every
     size key unresolvable or of a size no machine holds."""
     cases = []
-    keys = keys_of("data=cifar10", LOGGERS, "logger.mlflow.tracking_uri=http://h:1")
+    keys = keys_of("data=cifar10", LOGGERS, "logger.mlflow.tracking_uri=http://h:1", "init=file")
     for key in [k for k in keys if k.rsplit(".", 1)[-1].endswith(PATHS)]:
         extra = ("data=cifar10",) if key.startswith("data.") else ()
         extra += (LOGGERS,) if key.startswith("logger.") else ()
+        extra += ("init=file",) if key.startswith("init.") else ()
         for value in (TOO_LONG, UNSET, "a\u202eb", "a\x01b"):
             cases.append(((*extra, f"{key}='{value}'"), key))
     for key in ("hydra.run.dir", "hydra.sweep.dir"):
