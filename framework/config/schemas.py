@@ -158,6 +158,10 @@ class OptimizerConfig:
     # and lr multipliers by parameter name (fnmatch patterns: {"head.*": 10.0}; first match).
     no_weight_decay: bool = False
     lr_multipliers: dict[str, Annotated[float, Gt(0)]] = field(default_factory=dict)
+    # Parameters that keep their values (fnmatch patterns: ["features.*"] freezes a trunk): no
+    # gradient, not in the optimizer; DDP and FSDP are built knowing it (no
+    # find_unused_parameters needed).
+    freeze: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import random
 import re
 import sysconfig
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ import framework
 from framework.components.data import Loaders, Splits, build_loaders, load_splits, to_device
 from framework.components.ema import EMA
 from framework.components.initial_weights import LoadPlan
-from framework.components.optim import build_optimizer, scaled_lr
+from framework.components.optim import build_optimizer, describe_groups, freeze, scaled_lr
 from framework.components.precision import Precision
 from framework.components.tasks import Task, first_batch
 from framework.components.utilization import (
@@ -109,7 +109,14 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
     ddp_options = OmegaConf.to_container(cfg.dist.ddp)  # DistributedDataParallel's keywords
     with refused_if_too_large(cfg.model, device):
         model = build_model(
-            cfg.model, cfg.strategy, trainer, ddp_options, env, device, precision.param_dtype
+            cfg.model,
+            cfg.strategy,
+            trainer,
+            ddp_options,
+            env,
+            device,
+            precision.param_dtype,
+            frozen=cfg.optimizer.freeze,
         )
         # Read once: the pre-flight check and the FLOPs count run on the same first batch.
         train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
@@ -204,16 +211,18 @@ def build_model(
     env: DistEnv,
     device: torch.device,
     param_dtype: torch.dtype | None = None,
+    frozen: Iterable[str] = (),
 ) -> Model:
     """The model on the device, what forward runs on (DDP-wrapped or sharded by
     strategy=<option>), and its EMA. `param_dtype`: what FSDP gathers parameters in. A strategy
     that shards builds the model on the meta device and initialises each rank's shards after
-    sharding: no rank holds the whole model."""
+    sharding: no rank holds the whole model. `frozen`: optimizer.freeze's patterns, applied
+    before the strategy wraps it."""
     log.info("Instantiating strategy <%s>", strategy_cfg._target_)
     with settings_refused("strategy", strategy_cfg):
         strategy = instantiate(strategy_cfg)
     log.info("Instantiating model <%s>", model_cfg._target_)
-    module, recipe = strategy.build(lambda: built("model", model_cfg), env)
+    module, recipe = strategy.build(lambda: freeze(built("model", model_cfg), frozen), env)
     if trainer.sync_batchnorm and env.distributed:
         if device.type != "cuda":
             raise ConfigError(
@@ -411,6 +420,7 @@ def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimizat
     overrides = model.strategy.optimizer_overrides(cfg.optimizer)
     with settings_refused("optimizer", cfg.optimizer):
         optimizer = build_optimizer(cfg.optimizer, model.module, lr, overrides)
+    log.info("optimizer parameters: %s", describe_groups(optimizer, model.module))
     with settings_refused("scheduler", cfg.scheduler):
         scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=parts.total_steps)
     return Optimization(optimizer, scheduler, precision, comm)
