@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from framework.components.key_maps import KEY_MAPS, KeyMap
 from framework.core.exits import ConfigError
+from framework.storage.key_maps import KEY_MAPS, KeyMap
 from framework.storage.weights_file import TensorInfo, WeightsSource, open_weights
 
 log = logging.getLogger("framework")
@@ -55,10 +55,10 @@ class FromFile:
     def __init__(
         self,
         path: str,
-        format: Literal["auto"] = "auto",
-        rename: dict[str, str] | None = None,
-        skip: list[str] | None = None,
-        strict: bool = True,
+        format: Literal["auto", "hf_gpt2"],
+        rename: dict[str, str],
+        skip: list[str],
+        strict: bool,
     ) -> None:
         self.path = Path(path).expanduser()
         self.key_map = KEY_MAPS[format]
@@ -72,6 +72,7 @@ class FromFile:
     def plan(self, module: nn.Module) -> LoadPlan:
         """The file's tensors matched to `module`'s keys; ConfigError naming what does not fit."""
         source = open_weights(self.path)
+        self.key_map.check_model(self.path, module)
         expected = _model_entries(module)
         skipped = self._skipped(expected)
         names, unexpected, duplicated = self._matched(source.entries(), expected, skipped)
