@@ -170,6 +170,24 @@ def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:
     return min(limits)
 
 
+def step_limit(trainer_cfg: Any, steps_per_epoch: int) -> tuple[str, str]:
+    """Which of max_steps and max_epochs ends the run (as planned_steps chose), said for a
+    user: (the setting with its value, the key to raise)."""
+    steps, epochs = trainer_cfg.max_steps, trainer_cfg.max_epochs
+    by_epochs = epochs * steps_per_epoch if epochs is not None else None
+    if by_epochs is not None and (steps is None or by_epochs < steps):
+        return (
+            f"trainer.max_epochs={epochs} ({epochs} x {steps_per_epoch} steps)",
+            "trainer.max_epochs",
+        )
+    if by_epochs == steps:
+        return (
+            f"trainer.max_steps={steps} and trainer.max_epochs={epochs}",
+            "both trainer.max_steps and trainer.max_epochs",
+        )
+    return f"trainer.max_steps={steps}", "trainer.max_steps"
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -407,8 +425,12 @@ def check_task(task: Task, module: torch.nn.Module, batch: Any, device: torch.de
     module.train()
 
 
-def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimization:
-    """The DDP comm hook (registered on the model), optimizer and schedule, with precision."""
+def build_optimization(
+    cfg: DictConfig, env: DistEnv, parts: Parts, schedule_steps: int | None = None
+) -> Optimization:
+    """The DDP comm hook (registered on the model), optimizer and schedule, with precision.
+    `schedule_steps`: the steps the schedule spans (default: the run's planned steps)."""
+    schedule_steps = parts.total_steps if schedule_steps is None else schedule_steps
     model, precision = parts.model, parts.precision
     with settings_refused("comm", cfg.comm):
         comm = instantiate(cfg.comm)(env=env)
@@ -422,8 +444,8 @@ def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimizat
         optimizer = build_optimizer(cfg.optimizer, model.module, lr, overrides)
     log.info("optimizer parameters: %s", describe_groups(optimizer, model.module))
     with settings_refused("scheduler", cfg.scheduler):
-        scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=parts.total_steps)
-    return Optimization(optimizer, scheduler, precision, comm)
+        scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=schedule_steps)
+    return Optimization(optimizer, scheduler, precision, comm, schedule_steps)
 
 
 def compiled(model: Model, compile: bool) -> Model:

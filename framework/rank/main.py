@@ -48,6 +48,7 @@ from framework.rank.build import (
     build_training,
     compiled,
     seed_everything,
+    step_limit,
 )
 from framework.rank.eval_mode import EvalRequest, evaluate_checkpoint, evaluate_initial_weights
 from framework.rank.finish import final_line, finish
@@ -202,11 +203,9 @@ def train(
 
 
 def open_run(cfg: DictConfig, parts: Parts, run: RunDir, env: DistEnv) -> OpenedRun | None:
-    """The optimization and the compiled model, the checkpoint to resume found, the run dir
+    """The checkpoint to resume found, the optimization and the compiled model, the run dir
     accepted and the sinks open. None for a run that is already complete: it is left as it is."""
     seed_everything(parts.trainer.seed + env.rank)  # per-rank streams from here on
-    optimization = build_optimization(cfg, env, parts)
-    parts = dataclasses.replace(parts, model=compiled(parts.model, parts.trainer.compile))
     # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
     # key still resumes).
     record = redacted_container(cfg)
@@ -221,8 +220,11 @@ def open_run(cfg: DictConfig, parts: Parts, run: RunDir, env: DistEnv) -> Opened
     )
     resumed = checkpointer.find_resume()
     if resumed and is_complete(resumed[1], parts.total_steps) and run.summary.exists():
-        log_already_complete(run, resumed[1], parts.total_steps)
+        log_already_complete(run, resumed[1], parts)
         return None
+    steps = schedule_steps(resumed, parts.total_steps, env)
+    optimization = build_optimization(cfg, env, parts, steps)
+    parts = dataclasses.replace(parts, model=compiled(parts.model, parts.trainer.compile))
     if env.is_main:
         accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
         record_initial_weights(run, parts, resumed is not None)
@@ -271,14 +273,56 @@ def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
     return payload["step"] >= total_steps or bool(payload["trainer"].get("stopped_early"))
 
 
-def log_already_complete(run: RunDir, payload: dict[str, Any], total_steps: int) -> None:
+def log_already_complete(run: RunDir, payload: dict[str, Any], parts: Parts) -> None:
+    early = payload["trainer"].get("stopped_early")
+    if early:
+        log.info("%s is complete at step %d (%s): nothing to do", run.path, payload["step"], early)
+        return
+    steps_per_epoch = len(parts.loaders.train) // parts.trainer.grad_accum
+    limit, setting = step_limit(parts.trainer, steps_per_epoch)
     log.info(
-        "%s is complete at step %d (%s): nothing to do; raise trainer.max_steps or "
-        "trainer.max_epochs to train further",
+        "%s is complete at step %d (the planned %d steps, set by %s): nothing to do; raise %s "
+        "to train further",
         run.path,
         payload["step"],
-        payload["trainer"].get("stopped_early") or f"the planned {total_steps} steps",
+        parts.total_steps,
+        limit,
+        setting,
     )
+
+
+def schedule_steps(
+    resumed: tuple[Path, dict[str, Any]] | None, total_steps: int, env: DistEnv
+) -> int:
+    """The steps the learning-rate schedule spans. A run whose schedule had ended (a finished
+    run given more steps) keeps it: the added steps continue at its final learning rate, where
+    a longer schedule would jump the rate back up. A run resumed before the end follows the
+    longer (or shorter) schedule from where it stands. A checkpoint from before the field
+    ("schedule_steps") is treated as the planned steps."""
+    ended = resumed[1].get("schedule_steps") if resumed else None
+    if ended is None or ended == total_steps:
+        return total_steps
+    step = resumed[1]["step"]
+    if step >= ended:
+        if env.is_main:
+            log.info(
+                "the learning-rate schedule ended at step %d: the %d added steps continue at "
+                "its final rate (for a new schedule, start a new run from these weights: "
+                "init=file init.path=%s)",
+                ended,
+                total_steps - step,
+                resumed[0],
+            )
+        return ended
+    if env.is_main:
+        log.info(
+            "the learning-rate schedule now spans %d steps instead of %d: from step %d the rate "
+            "follows the new length",
+            total_steps,
+            ended,
+            step,
+        )
+    return total_steps
 
 
 def record_initial_weights(run: RunDir, parts: Parts, resumed: bool) -> None:
