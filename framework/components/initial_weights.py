@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from framework.core.exits import ConfigError
 from framework.storage.key_maps import KEY_MAPS, KeyMap
@@ -47,6 +48,30 @@ class LoadPlan:
         return {
             key: self.key_map.tensor_in_model(name, read[name]) for key, name in self.names.items()
         }
+
+    @torch.no_grad()
+    def load_into_shards(self, module: nn.Module) -> int:
+        """Into a model sharded by FSDP2 (each parameter a DTensor of Shard(0) over a 1-D
+        mesh): each rank reads only its own rows of each tensor (a safetensors file reads only
+        those bytes) and copies them into its shard; whole tensors where a parameter is not
+        sharded. Returns the most bytes of the file's tensors held at once: one tensor's part."""
+        targets = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+        most = 0
+        for key, name in self.names.items():
+            target = targets.get(key)
+            if target is None:  # a tied alias: its tensor is filled under its other key
+                continue
+            local, rows = _own_rows(target)
+            if rows is None:
+                part = self.key_map.tensor_in_model(name, self.source.read([name])[name])
+            else:
+                dim = self.key_map.rows_in_file(name)
+                part = self.source.read_part(name, dim, *rows)
+                part = self.key_map.tensor_in_model(name, part)
+            local.copy_(part)
+            most = max(most, part.nbytes)
+            del part  # before the next tensor is read
+        return most
 
 
 class FromFile:
@@ -138,6 +163,25 @@ class FromFile:
                 "its names with init.rename, leave model keys as built with init.skip"
                 f"{'' if not self.strict else ', or load what fits with init.strict=false'}"
             )
+
+
+def _own_rows(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """This rank's part of `target` and the rows of the whole tensor it holds (FSDP2's Shard(0):
+    chunks of ceil(rows / ranks) in rank order); None where it holds the whole tensor."""
+    if not isinstance(target, DTensor):
+        return target, None
+    local = target.to_local()
+    placements = target.placements
+    if target.dim() == 0 or len(placements) != 1 or placements[0] != Shard(0):
+        raise ConfigError(
+            f"init: {type(target).__name__} placed as {placements} is not FSDP2's row sharding; "
+            "load it under strategy=ddp and save a checkpoint to resume instead"
+        )
+    rows, ranks = target.shape[0], target.device_mesh.size()
+    chunk = -(-rows // ranks)
+    start = min(target.device_mesh.get_local_rank() * chunk, rows)
+    stop = min(start + chunk, rows)
+    return local, (start, stop)
 
 
 def _rule(pattern: str, replacement: str) -> Callable[[str], str]:

@@ -151,11 +151,23 @@ def load_initial_weights(init_cfg: DictConfig, model: Model) -> LoadPlan | None:
     plan = initial_plan(init_cfg, model.module)
     if plan is None:
         return None
-    tensors = plan.tensors()
-    for module in (model.module, *([model.ema.module] if model.ema else [])):
-        model.strategy.load_initial(module, tensors)
+    modules = (model.module, *([model.ema.module] if model.ema else []))
+    if model.strategy.shards:  # each rank reads its own rows only
+        held = max(plan.load_into_shards(module) for module in modules)
+    else:
+        tensors = plan.tensors()
+        for module in modules:
+            model.strategy.load_initial(module, tensors)
+        held = sum(tensor.nbytes for tensor in tensors.values())
+        del tensors
     left = f"; left as built: {', '.join(plan.skipped)}" if plan.skipped else ""
-    log.info("init: %d tensors from %s%s", len(tensors), plan.source.path, left)
+    log.info(
+        "init: %d tensors from %s (at most %.2f MiB of them held at once)%s",
+        len(plan.names),
+        plan.source.path,
+        held / 2**20,
+        left,
+    )
     return plan
 
 

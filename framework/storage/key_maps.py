@@ -31,6 +31,10 @@ class KeyMap(Protocol):
 
     def tensor_in_model(self, name: str, tensor: torch.Tensor) -> torch.Tensor: ...
 
+    def rows_in_file(self, name: str) -> int:
+        """The file's dimension that holds the model's first one (FSDP shards that one)."""
+        ...
+
     def check_model(self, path: Path, module: nn.Module) -> None:
         """What the names cannot show: the file's own description of the model (its
         config.json) against `module`; ConfigError naming the setting to change."""
@@ -48,6 +52,9 @@ class SameNames:
 
     def tensor_in_model(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def rows_in_file(self, name: str) -> int:
+        return 0
 
     def check_model(self, path: Path, module: nn.Module) -> None:
         return None
@@ -101,6 +108,9 @@ class HuggingFaceGPT2:
 
     def tensor_in_model(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.t().contiguous() if _is_conv1d_weight(name) else tensor
+
+    def rows_in_file(self, name: str) -> int:
+        return 1 if _is_conv1d_weight(name) else 0
 
     def check_model(self, path: Path, module: nn.Module) -> None:
         """GPT-2's config.json beside the weights names its activation: the model's GELU must

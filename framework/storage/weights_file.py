@@ -5,7 +5,9 @@ step_<N>.dcp folder, checked as a resume checks it); or a torch.save'd state_dic
 weights_only. A file that weights_only cannot read is refused, and nothing in it runs.
 
 What a source holds (names, shapes, dtypes) is read without reading a tensor; `read` reads the
-tensors asked for and no other (a safetensors file lazily, tensor by tensor)."""
+tensors asked for and no other (a safetensors file lazily, tensor by tensor), `read_part` one
+range of one dimension of a tensor (a safetensors file reads only those bytes: a rank of a
+sharded model reads its own rows)."""
 
 from __future__ import annotations
 
@@ -58,6 +60,10 @@ class WeightsSource(Protocol):
     def entries(self) -> dict[str, TensorInfo]: ...
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]: ...
+
+    def read_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices start:stop of dimension `dim` (0 or 1) of the tensor `name`."""
+        ...
 
     def files(self) -> list[Path]: ...
 
@@ -167,6 +173,12 @@ class SafetensorsFiles:
                     tensors[name] = opened.get_tensor(name)
         return tensors
 
+    def read_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        [(file, _)] = self._by_file({name: self.weight_map[name]}).items()
+        with safe_open(str(file), framework="pt") as opened:
+            part = opened.get_slice(name)
+            return part[start:stop] if dim == 0 else part[:, start:stop]
+
     def _by_file(self, weight_map: Mapping[str, str]) -> dict[Path, list[str]]:
         groups: dict[Path, list[str]] = {}
         for name, file in weight_map.items():
@@ -231,6 +243,9 @@ class TensorsInMemory:
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         return {name: self.tensors[name] for name in names}
 
+    def read_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name].narrow(dim, start, stop - start)
+
 
 class ShardedWeights:
     """A step_<N>.dcp folder's model weights: only the tensors asked for are read (collective
@@ -254,6 +269,10 @@ class ShardedWeights:
         wanted = {name: self.keys[name] for name in names}
         read_back = self.state.read(list(wanted.values()))
         return {name: read_back[key] for name, key in wanted.items()}
+
+    def read_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """(DCP reads whole tensors here: a rank holds one at a time, then keeps its rows.)"""
+        return self.read([name])[name].narrow(dim, start, stop - start).clone()
 
 
 def file_record(source: WeightsSource) -> dict[str, Any]:
