@@ -55,13 +55,14 @@ class LoadPlan:
         mesh): each rank reads only its own rows of each tensor (a safetensors file reads only
         those bytes) and copies them into its shard; whole tensors where a parameter is not
         sharded. Returns the most bytes of the file's tensors held at once: one tensor's part."""
-        targets = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+        # Tied weights under each of their names: a file may hold either.
+        targets = {
+            **dict(module.named_buffers(remove_duplicate=False)),
+            **dict(module.named_parameters(remove_duplicate=False)),
+        }
         most = 0
         for key, name in self.names.items():
-            target = targets.get(key)
-            if target is None:  # a tied alias: its tensor is filled under its other key
-                continue
-            local, rows = _own_rows(target)
+            local, rows = _own_rows(targets[key])
             if rows is None:
                 part = self.key_map.tensor_in_model(name, self.source.read([name])[name])
             else:
@@ -87,23 +88,20 @@ class FromFile:
     ) -> None:
         self.path = Path(path).expanduser()
         self.key_map = KEY_MAPS[format]
-        self.format = format
-        self.rules = [
-            _rule(pattern, replacement) for pattern, replacement in (rename or {}).items()
-        ]
-        self.skip = list(skip or [])
+        self.rules = [_rule(pattern, replacement) for pattern, replacement in rename.items()]
+        self.skip = list(skip)
         self.strict = strict
 
     def plan(self, module: nn.Module) -> LoadPlan:
         """The file's tensors matched to `module`'s keys; ConfigError naming what does not fit."""
         source = open_weights(self.path)
         self.key_map.check_model(self.path, module)
-        expected = _model_entries(module)
+        entries, expected = source.entries(), _model_entries(module)
         skipped = self._skipped(expected)
-        names, unexpected, duplicated = self._matched(source.entries(), expected, skipped)
+        names, unexpected, duplicated = self._matched(entries, expected, skipped)
         required = set(expected) - set(skipped) - _aliases(module)
         missing = sorted(required - names.keys())
-        misfits = _misfits(names, source.entries(), expected, self.key_map)
+        misfits = _misfits(names, entries, expected, self.key_map)
         self._refuse(missing, unexpected, duplicated, misfits)
         return LoadPlan(source, self.key_map, names, skipped)
 
