@@ -163,3 +163,15 @@ def test_a_pickle_that_would_run_code_is_refused_in_one_line_and_nothing_in_it_r
     assert len(lines) == 1 and str(evil) in lines[0] and "nothing in it was executed" in lines[0]
     assert not marker.exists()
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_sharded_checkpoint_folder_gives_its_own_numbers(cli, tmp_path):
+    run = tmp_path / "run"
+    train_in_process(make_cfg(*TINY, "checkpoint.format=sharded"), run)
+    [folder] = (run / "checkpoints").glob("step_*.dcp")
+    result = cli(*TINY, "mode=eval", "init=file", f"init.path={folder}", cwd=tmp_path)
+    from_file = eval_summary(result, tmp_path / "outputs")
+    result = cli(*TINY, "mode=eval", f"checkpoint.resume={folder}", cwd=tmp_path)
+    from_checkpoint = eval_summary(result, run)
+    assert from_file["val/loss"] == from_checkpoint["val/loss"]
+    assert from_file["val/accuracy"] == from_checkpoint["val/accuracy"]
