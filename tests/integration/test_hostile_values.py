@@ -57,7 +57,6 @@ def hostile_cases() -> list[tuple[tuple[str, ...], str]]:
     sizes = [k for k, v in keys_of().items() if isinstance(v, int) and not isinstance(v, bool)]
     for key in sizes:
         cases.append(((f"{key}={UNSET}",), key))
-    cases += [(("model.width=10000000000000",), "model"), (("data.num_workers=100000",), "data")]
     return cases
 
 
@@ -67,8 +66,15 @@ FOLDERS_MADE = [
     ("run", ("hydra.run.dir=/proc/nope/x",), "hydra.run.dir"),
     ("sweep", ("hydra.sweep.dir=/proc/nope/x",), "hydra.sweep.dir"),
 ]
+# Sizes no machine holds are found where the parts are built (--cfg job and --help show a value
+# as it is), so their entries are fixed: those that build.
+TOO_LARGE = [
+    ("estimate", ("model.width=10000000000000",), "model"),
+    ("resume", ("data.num_workers=100000",), "data"),
+]
 CASES = [
     *((entry, *case) for entry, case in zip(itertools.cycle(ENTRIES), hostile_cases())),
+    *TOO_LARGE,
     *FOLDERS_MADE,
 ]
 
