@@ -17,6 +17,8 @@ written to benchmarks/results/<name>.json (and a PNG where it plots).
                floor of any Hydra app (import hydra, compose once)
     front_door what the command loads and how often it composes before it answers or runs: a
                refused typo, a single run, a 2-job sweep
+    pruning    a 16-trial learning-rate sweep with ASHA against the same sweep unpruned:
+               steps trained, the best found, the best trial run alone
     stream     data=text_stream: a rank's peak memory at 1x and 10x the data, and its
                throughput against data=text's on the same text
     all        every one of the above, in that order
@@ -45,6 +47,7 @@ BENCHMARKS = (
     "memory",
     "mistakes",
     "front_door",
+    "pruning",
     "stream",
 )
 

@@ -116,6 +116,7 @@ def build_model(work: GPTWork) -> torch.nn.Module:
         heads=work.heads,
         width=work.width,
         dropout=0.0,
+        activation="gelu",
     )
 
 

@@ -155,12 +155,14 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
     # Loaded once the keys passed: a misspelt key, the commonest mistake, is refused without
     # loading the rules between keys and the check of Hydra's node (docs/benchmarks.md).
     from framework.app.hydra_node import check_hydra_node
+    from framework.app.pruning_settings import check_pruning
     from framework.config.validation import check_rules
 
     if not shows:
         check_rules(cfg)  # (a sweep's master: what every job shares)
     if not (args.help or prints_the_job_config(args)):  # (they print no Hydra node, run nothing)
         check_hydra_node(cfg, composition.overrides, composition.config_name)
+        check_pruning(cfg)
     if not shows:
         check_config_folders(cfg)
     if composition.mode is RunMode.MULTIRUN and not shows:

@@ -277,7 +277,8 @@ ADOPTED = ("experiment", "task", "model", "data", "precision", "trainer.ema_deca
 # What a resume never takes from the record: what this command does, how and where its ranks
 # start (a node joining another node's job in the same run dir is no resume of it), and the
 # loggers.
-NOT_RESUMED = ("mode", "checkpoint.resume", "launcher", "dist", "hydra", "logger")
+# The weights a run started from (init) are its checkpoint's now: a resume needs no init.path.
+NOT_RESUMED = ("mode", "checkpoint.resume", "launcher", "dist", "hydra", "logger", "init")
 RESUME_NOT_A_PATH = ("auto", "never", "last", "best")
 
 

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.app.command_line import CommandLine, parse
+from framework.app.pruning_settings import unknown_pruner_key
 from framework.config.keys import check_keys
 from framework.config.registry import register_configs
 from framework.core.config_dir import APP_FILE, CONF_DIR
@@ -239,6 +240,8 @@ def _unknown_key(
     found = _APPEND_ADVICE.match(str(error))
     if found is None:
         return None
+    if pruning_key := unknown_pruner_key(found["key"]):
+        return pruning_key
     appended = [
         f"+{override.input_line}"
         if override.key_or_group == found["key"] and not (override.is_add() or override.package)

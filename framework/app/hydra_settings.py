@@ -20,6 +20,7 @@ from typing import Any
 from framework.app.config_search_path import searchpath_problem
 from framework.core.allowlist import matches_prefix, target_problem
 from framework.core.path_text import path_text_problem, text_problem
+from framework.core.pruners import PRUNERS, PRUNING_SWEEPER
 
 # --- the keys a config may set --------------------------------------------------------------
 # Whole keys: the run and sweep dirs, the mode, the config folders (file:// only: pkg:// would
@@ -32,8 +33,8 @@ PLAIN_SETTINGS = (
     "hydra.searchpath",
     "hydra.callbacks.run_dir.output_subdir",
 )
-# The sweepers' numbers and names (basic, optuna). Optuna's `storage` would write a database
-# wherever it says, and `custom_search_space` names a function: neither is here.
+# The sweepers' numbers and names (basic, optuna, optuna_prune). Optuna's `storage` would write
+# a database wherever it says, and `custom_search_space` names a function: neither is here.
 SWEEPER_SETTINGS = (
     "max_batch_size",
     "direction",
@@ -41,7 +42,10 @@ SWEEPER_SETTINGS = (
     "n_jobs",
     "study_name",
     "max_failure_rate",
+    "pruner",
 )
+# hydra/sweeper=optuna_prune: each pruner's settings, under its name (core/pruners.py).
+PRUNER_SETTINGS = tuple(f"hydra.sweeper.{name}" for name in PRUNERS)
 SWEEPER_PARAMS = "hydra.sweeper.params"
 SAMPLER = "hydra.sweeper.sampler"
 # Variables a job may be given: none of them makes a process load code or move files
@@ -105,6 +109,7 @@ NODE_TARGETS = frozenset(
         "hydra_plugins.framework_launchers.framework_launchers.SubmititSlurmLauncher",
         "hydra_plugins.framework_launchers.framework_launchers.SubmititLocalLauncher",
         "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper",
+        PRUNING_SWEEPER,
         *(
             f"optuna.samplers.{name}"
             for name in (
@@ -166,6 +171,8 @@ def settable(path: str) -> bool:
     if path in PLAIN_SETTINGS or _under(path, SWEEPER_PARAMS) or _under(path, "hydra.searchpath"):
         return True
     if _child(path, "hydra.sweeper") in SWEEPER_SETTINGS:
+        return True
+    if any(_child(path, pruner) not in (None, "_target_") for pruner in PRUNER_SETTINGS):
         return True
     if (name := _child(path, SAMPLER)) is not None:
         return name != "_target_"

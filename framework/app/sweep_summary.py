@@ -29,7 +29,7 @@ RUN_COLUMNS = ("steps", "samples_per_s", "wall_s")  # after the objective and th
 @dataclass
 class JobRow:
     num: int
-    status: str  # completed | failed
+    status: str  # completed | pruned (a pruning sweep's pruner stopped it) | failed
     overrides: dict[str, str]
     run_dir: str
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -48,7 +48,7 @@ class JobRow:
         metrics = json.loads(summary_file.read_text()) if found else {}
         return cls(
             num=num,
-            status="completed" if completed else "failed",
+            status=_status(metrics) if completed else "failed",
             overrides=overrides,
             run_dir=str(run_dir),
             metrics=metrics,
@@ -74,8 +74,13 @@ class SweepSummary:
         return self.configured_objective or (reported[0] if reported else "objective")
 
     def best(self) -> JobRow | None:
-        """The completed job with the best objective, by its direction."""
-        scored = [row for row in self.rows.values() if self.objective in row.metrics]
+        """The completed job with the best objective, by its direction (a pruned one's is
+        from before its end: not a contender)."""
+        scored = [
+            row
+            for row in self.rows.values()
+            if self.objective in row.metrics and row.status == "completed"
+        ]
         if not scored:
             return None
         sign = -1 if scored[0].metrics.get("objective_direction") == "min" else 1
@@ -85,18 +90,20 @@ class SweepSummary:
         for offset, ret in enumerate(returns):
             row = JobRow.from_return(first_num + offset, ret)
             earlier = self.rows.get(row.num)
-            if row.status == "failed" and earlier is not None and earlier.status == "completed":
+            if row.status == "failed" and earlier is not None and earlier.status != "failed":
                 log.warning("sweep job %d: %s (its completed run is kept)", row.num, row.error)
                 continue
             self.rows[row.num] = row
         self.write()
         failed = sum(row.status == "failed" for row in self.rows.values())
+        pruned = sum(row.status == "pruned" for row in self.rows.values())
         best = self.best()
         leader = f"; best {self.objective}: job {best.num}" if best else ""
         log.info(
-            "sweep summary (%d jobs, %d failed%s): %s",
+            "sweep summary (%d jobs, %d failed%s%s): %s",
             len(self.rows),
             failed,
+            f", {pruned} pruned" if pruned else "",
             leader,
             self.sweep_dir / "summary.md",
         )
@@ -136,8 +143,8 @@ class SweepSummary:
         try_plot(plot_sweep, self.sweep_dir, self.labelled_runs(), self.objective)
 
     def labelled_runs(self) -> list[tuple[str, Path, float]]:
-        """Each completed job: a label (its number and the overrides that vary), its dir and
-        its final objective."""
+        """Each job that ended well: a label (its number, the overrides that vary, "pruned"
+        where a pruner stopped it), its dir and its final objective."""
         rows = [self.rows[num] for num in sorted(self.rows)]
         varying = [
             key
@@ -146,12 +153,18 @@ class SweepSummary:
         ]
         return [
             (
-                " ".join([f"#{row.num}", *(f"{k}={row.overrides.get(k, '')}" for k in varying)]),
+                " ".join(
+                    [
+                        f"#{row.num}",
+                        *(f"{k}={row.overrides.get(k, '')}" for k in varying),
+                        *(["pruned"] if row.status == "pruned" else []),
+                    ]
+                ),
                 Path(row.run_dir),
                 row.metrics.get(self.objective, float("nan")),
             )
             for row in rows
-            if row.status == "completed"
+            if row.status != "failed"
         ]
 
 
@@ -171,13 +184,18 @@ def earlier_rows(sweep_dir: Path) -> dict[int, JobRow]:
             continue
         row = JobRow(
             num=int(job_dir.name),
-            status="completed",
+            status=_status(metrics),
             overrides=_app_overrides(overrides),
             run_dir=str(job_dir),
             metrics=metrics,
         )
         rows[row.num] = row
     return rows
+
+
+def _status(metrics: dict[str, Any]) -> str:
+    """A job that ended well: completed, or pruned (its summary says so)."""
+    return "pruned" if metrics.get("pruned") else "completed"
 
 
 def _app_overrides(items: list[str]) -> dict[str, str]:

@@ -114,10 +114,17 @@ def digits(
     test_fraction: TestShare,
     split_seed: int,
     normalize: bool,
+    classes: list[Annotated[int, Interval(ge=0, le=9)]] | None,
 ) -> Splits:
     """scikit-learn's bundled handwritten digits: 1,797 real 8x8 images, 10 classes. Pixels in
-    [-1, 1] (normalize) or [0, 1]."""
+    [-1, 1] (normalize) or [0, 1]. `classes`: only these digits, labelled 0, 1, ... in the
+    order given (a fine-tuning task of its own: [5, 6, 7, 8, 9] after pretraining on 0-4)."""
     table = bundled_with_scikit_learn("digits.csv.gz", delimiter=",")  # 64 pixels, then the label
+    if classes is not None:
+        if len(set(classes)) != len(classes) or not classes:
+            raise ValueError(f"classes={classes}: name each digit once")
+        table = table[np.isin(table[:, -1], classes)]
+        table[:, -1] = [classes.index(int(label)) for label in table[:, -1]]
     pixels = torch.tensor(table[:, :-1].reshape(-1, 1, 8, 8), dtype=torch.float32)
     images = pixels / 16.0
     if normalize:

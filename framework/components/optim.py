@@ -1,5 +1,6 @@
-"""The optimizer from `optimizer=<option>`: its lr scaled to the real global batch, and its
-parameter groups (no weight decay on biases and normalisation weights, lr multipliers by name)."""
+"""The optimizer from `optimizer=<option>`: its lr scaled to the real global batch, its
+parameter groups (no weight decay on biases and normalisation weights, lr multipliers by name),
+and the parameters it leaves out (optimizer.freeze)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from framework.core.exits import ConfigError
 
-OUR_KEYS = ("lr_scaling", "reference_batch_size", "no_weight_decay", "lr_multipliers")
+OUR_KEYS = ("lr_scaling", "reference_batch_size", "no_weight_decay", "lr_multipliers", "freeze")
 
 
 def scaled_lr(optimizer_cfg: Any, global_batch_size: int) -> float:
@@ -58,6 +59,43 @@ def parameter_groups(
         {"params": group, "weight_decay": decay, "lr": lr * multiplier}
         for (decay, multiplier), group in ordered
     ]
+
+
+def freeze(module: nn.Module, patterns: Iterable[str]) -> nn.Module:
+    """optimizer.freeze: the parameters whose names match keep their values (no gradient, so
+    the optimizer never gets them). Before DDP or FSDP wraps the module: they then neither
+    wait for nor reduce a gradient for them."""
+    patterns = list(patterns)
+    used: set[str] = set()
+    for name, parameter in module.named_parameters():
+        matched = [pattern for pattern in patterns if fnmatch(name, pattern)]
+        if matched:
+            parameter.requires_grad_(False)
+            used.update(matched)
+    unused = [pattern for pattern in patterns if pattern not in used]
+    if unused:
+        raise ConfigError(
+            f"optimizer.freeze: {', '.join(unused)} matches no parameter of the model "
+            f"(they are named like {', '.join(name for name, _ in list(_names(module))[:4])})"
+        )
+    return module
+
+
+def describe_groups(optimizer: torch.optim.Optimizer, module: nn.Module) -> str:
+    """What each parameter group holds and what is frozen, for the start-up lines."""
+    lines = [
+        f"group {index}: {_count(group['params'])} (lr={group['lr']:.4g}, "
+        f"weight_decay={group.get('weight_decay', 0.0):g})"
+        for index, group in enumerate(optimizer.param_groups)
+    ]
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    if frozen:
+        lines.append(f"frozen: {_count(frozen)}")
+    return "; ".join(lines)
+
+
+def _count(parameters: list[torch.Tensor]) -> str:
+    return f"{sum(p.numel() for p in parameters):,} parameters in {len(parameters)} tensors"
 
 
 def _names(params: nn.Module | Iterable[torch.Tensor]) -> Iterable[tuple[str, Any]]:

@@ -157,6 +157,11 @@ class DDP:
         Collective when ranks are."""
         self.model_state(module).load_state_dict(state)
 
+    def load_initial(self, module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The weights a run starts from (init=file), whole tensors on every rank: the keys
+        given, every other key left as built (initial_weights.py checked which may be)."""
+        self.model_state(module).load_state_dict(tensors, strict=False)
+
 
 class FSDP(DDP):
     """FSDP2: `fully_shard` on each block, then on the root, over a 1-D mesh of every rank.
@@ -389,10 +394,10 @@ class WholeModule:
     def shard_state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any] | ShardedState) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | ShardedState, strict: bool = True) -> None:
         if isinstance(state, ShardedState):  # read into the module's own tensors
             state = state.load(self.module.state_dict())
-        self.module.load_state_dict(state)
+        self.module.load_state_dict(state, strict=strict)
 
 
 class WholeOptimizer:
@@ -430,12 +435,13 @@ class ShardedModule:
     def shard_state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.module)
 
-    def load_state_dict(self, state: Mapping[str, Any] | ShardedState) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | ShardedState, strict: bool = True) -> None:
         if isinstance(state, ShardedState):
             own = state.load(get_model_state_dict(self.module))
-            set_model_state_dict(self.module, own, options=StateDictOptions(strict=True))
+            set_model_state_dict(self.module, own, options=StateDictOptions(strict=strict))
         else:
-            set_model_state_dict(self.module, dict(state), options=SCATTERED)
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(self.module, dict(state), options=options)
 
 
 class ShardedOptimizer:

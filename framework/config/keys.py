@@ -35,7 +35,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.config import schemas as s
-from framework.config.registry import GROUP_BASES, LAUNCHERS, shipped_targets
+from framework.config.registry import (
+    GROUP_BASES,
+    LAUNCHERS,
+    read_option,
+    shipped_options,
+    shipped_targets,
+)
 from framework.core.allowlist import check_targets, trusted_prefixes
 from framework.core.exits import ConfigError
 from framework.core.signatures import Signature, signature_of
@@ -82,6 +88,17 @@ def check_keys(cfg: DictConfig, bounds: bool = True) -> None:
             _check_option(path, node, base, bounds)
     except OmegaConfBaseException as error:  # a value that is not of its key's type
         raise ConfigError(f"{error.full_key}: {str(error).splitlines()[0]}") from None
+
+
+def check_call_settings(path: str, node: DictConfig, target: str) -> None:
+    """Raise ConfigError for a key of `node` that `target` does not take, or a value not of
+    its type or outside its bounds, as its signature declares them (hydra.sweeper's pruner
+    settings: framework/core/pruners.py)."""
+    signature = signature_of(target)
+    if signature is None:
+        return
+    for key in node:
+        _check_parameter(path, str(key), node, signature, frozenset(), frozenset(), bounds=True)
 
 
 # --- what is missing ------------------------------------------------------------------------
@@ -202,6 +219,19 @@ def _check_required(
             )
 
 
+def options_taking(group: str, key: str) -> list[str]:
+    """The shipped options of `group` whose callable takes `key` (init.path: init=file)."""
+    if group not in GROUP_BASES:
+        return []
+    found = []
+    for name, path in shipped_options(group).items():
+        target = read_option(path).get("_target_")
+        signature = signature_of(str(target)) if target else None
+        if signature is not None and key in signature.parameters:
+            found.append(name)
+    return found
+
+
 def _check_parameter(
     path: str,
     key: str,
@@ -223,6 +253,8 @@ def _check_parameter(
             if close
             else f"it takes {', '.join(sorted(settable)) or 'no keyword'}"
         )
+        if not close and (others := options_taking(path, key)):
+            hint += f"; {' or '.join(f'{path}={name}' for name in others)} takes it"
         raise ConfigError(f"{path}.{key} is not a setting of {signature.target}: {hint}")
     annotation = parameter.annotation
     if annotation is None:

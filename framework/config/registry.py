@@ -27,6 +27,7 @@ from framework.core.signatures import signature_of
 GROUP_BASES: dict[str, type] = {
     "task": s.TaskConfig,
     "model": s.ModelConfig,
+    "init": s.InitConfig,
     "data": s.DataConfig,
     "optimizer": s.OptimizerConfig,
     "scheduler": s.SchedulerConfig,

@@ -103,6 +103,13 @@ class ModelConfig:
     _target_: str = MISSING  # an nn.Module class, or a function that returns one
 
 
+@dataclass
+class InitConfig:
+    # Where the model's first weights come from: the model's own initialisation (init=none), a
+    # file's (init=file, framework/components/initial_weights.py), or one of yours with plan().
+    _target_: str = MISSING
+
+
 # --- data -----------------------------------------------------------------------------------
 @dataclass
 class DataConfig:
@@ -151,6 +158,10 @@ class OptimizerConfig:
     # and lr multipliers by parameter name (fnmatch patterns: {"head.*": 10.0}; first match).
     no_weight_decay: bool = False
     lr_multipliers: dict[str, Annotated[float, Gt(0)]] = field(default_factory=dict)
+    # Parameters that keep their values (fnmatch patterns: ["features.*"] freezes a trunk): no
+    # gradient, not in the optimizer; DDP and FSDP are built knowing it (no
+    # find_unused_parameters needed).
+    freeze: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -349,6 +360,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     task: Any = setting(MISSING, eval_must_match=True)
     model: Any = setting(MISSING, eval_must_match=True)
+    # The weights training starts from. A resume takes them from its checkpoint instead, so
+    # it may leave init out (the run records the file it started from in init.json).
+    init: Any = setting(MISSING, resumable=True)
     data: Any = setting(MISSING, eval_must_match=True)
     optimizer: Any = MISSING
     scheduler: Any = MISSING

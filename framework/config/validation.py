@@ -74,12 +74,36 @@ def require(condition: bool, message: str) -> None:
 
 # --- the facts between keys, one rule each ----------------------------------------------------
 def evaluation_names_a_checkpoint(cfg: DictConfig) -> str | None:
-    if cfg.mode == "eval" and cfg.checkpoint.resume in ("auto", "never"):
+    initial = initial_weights_path(cfg)
+    resume = cfg.checkpoint.resume
+    if cfg.mode == "eval" and resume in ("auto", "never") and initial is None:
         return (
             "mode=eval evaluates a checkpoint: set checkpoint.resume=<run dir>/checkpoints/"
-            "last.pt (or best.pt, or any step_*.pt)"
+            "last.pt (or best.pt, or any step_*.pt), or a file's weights: init=file "
+            "init.path=<file>"
+        )
+    if cfg.mode == "eval" and resume not in ("auto", "never") and initial is not None:
+        return (
+            f"mode=eval evaluates one set of weights: checkpoint.resume={resume} or "
+            f"init.path={initial}; leave the other out"
         )
     return None
+
+
+def initial_weights_path(cfg: DictConfig) -> str | None:
+    """init.path of an init option that names a file (init=file), else None."""
+    return cfg.init.get("path") if isinstance(cfg.get("init"), DictConfig) else None
+
+
+def initial_weights_exist(cfg: DictConfig) -> str | None:
+    """Read only, never written; what it holds is judged by the trial (which reads it)."""
+    path = initial_weights_path(cfg)
+    if path is None or os.path.exists(Path(path).expanduser()):
+        return None
+    return (
+        f"init.path={path} does not exist: give a .safetensors file, a folder of them "
+        "(Hugging Face's layout), or a checkpoint (<run dir>/checkpoints/last.pt)"
+    )
 
 
 def an_estimate_is_one_config(cfg: DictConfig) -> str | None:
@@ -395,6 +419,7 @@ RULES: tuple[Rule, ...] = (
     global_batch_divides,
     background_saves_write_shards,
     resume_names_a_checkpoint,
+    initial_weights_exist,
     nccl_has_a_gpu,
     one_launcher_per_srun_step,
     processes_fit_this_machine,
@@ -514,6 +539,7 @@ RUN_DIR_NAMES = frozenset(
         "config.yaml",
         "metrics.jsonl",
         "summary.json",
+        "init.json",
         "train.log",
         "curves.png",
         "checkpoints",

@@ -26,6 +26,11 @@ START_METHOD = "forkserver"
 # the tasks, models and data sets), and the plots rank 0 draws at the end. This module first:
 # its copy of the server's environment is what a rank compares with (adopt).
 PRELOAD = ["framework.launch.forkserver", "framework.launch.rank_entry", "matplotlib.pyplot"]
+# A pruning sweep's rank 0 reports to its study through Optuna, whose import took about 3 s a
+# trial in a rank here; a command that names that sweeper has it preloaded too (an
+# ImportError in a preload is skipped by multiprocessing: then no pruning sweep composes).
+PRUNING_SWEEP = "hydra/sweeper=optuna_prune"
+PRUNING_PRELOAD = ["optuna"]
 # Set in this process's environment only while it starts the fork server: the server finds
 # it when it imports this module (PRELOAD), and no other process does.
 _SERVER_MARK = "FRAMEWORK_FORK_SERVER"
@@ -56,9 +61,9 @@ if _launcher:
 SERVER_ENVIRON = dict(os.environ)
 
 
-def warm_up() -> None:
-    """Start the fork server now, in the background (it imports PRELOAD once)."""
-    multiprocessing.set_forkserver_preload(PRELOAD)
+def warm_up(extra: list[str] | None = None) -> None:
+    """Start the fork server now, in the background (it imports PRELOAD, and `extra`, once)."""
+    multiprocessing.set_forkserver_preload([*PRELOAD, *(extra or [])])
     os.environ[_SERVER_MARK] = str(os.getpid())
     try:
         multiprocessing.forkserver.ensure_running()
@@ -71,7 +76,7 @@ def warm_up_if_forking(argv: list[str]) -> None:
     if isinstance(launch_context.current(), launch_context.Standalone) and will_start_local_ranks(
         argv
     ):
-        warm_up()
+        warm_up(PRUNING_PRELOAD if PRUNING_SWEEP in argv else None)
 
 
 def will_start_local_ranks(argv: list[str]) -> bool:

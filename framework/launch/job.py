@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from framework.config.validation import joins_other_node, validate
 from framework.core import launch_context, startup_clock
 from framework.core.exits import JobFailed, NonFiniteLoss, Rejected, Stopped, WorkerFailed, end
+from framework.core.pruners import PRUNING_SWEEPER, SWEEP_TRIAL, study_path, trial_environment
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start, start
 from framework.storage.files import is_throwaway
 from framework.storage.run_dir import RunDir
@@ -32,6 +34,7 @@ def hydra_app(cfg: DictConfig) -> float | None:
     if adopts_rank_zero_config(here):
         start(Start.SLURM_FOLLOWER, cfg, run_dir)
         return None
+    name_the_trial(hydra_cfg, sweep_job)
     try:
         # A node that joins another node's torchrun job shares its run dir: the host holds it.
         unheld = is_throwaway(run_dir) or joins_other_node(cfg.launcher)
@@ -66,6 +69,17 @@ def _run_held(
     except Rejected:
         RunDir(run_dir).discard(sweep_job)
         raise
+
+
+def name_the_trial(hydra_cfg: DictConfig, sweep_job: bool) -> None:
+    """A pruning sweep's job tells its ranks which trial of the sweep's study they run (rank 0
+    reports to it: framework/rank/pruning.py); any other run, that it runs none."""
+    sweeper = OmegaConf.select(hydra_cfg, "sweeper._target_")
+    if sweep_job and sweeper == PRUNING_SWEEPER:
+        study = study_path(Path(hydra_cfg.sweep.dir))
+        os.environ[SWEEP_TRIAL] = trial_environment(int(hydra_cfg.job.num), study)
+    else:
+        os.environ.pop(SWEEP_TRIAL, None)
 
 
 def join_sweep(cfg: DictConfig, run: RunDir, hydra_cfg: DictConfig) -> None:

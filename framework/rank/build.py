@@ -17,7 +17,7 @@ import random
 import re
 import sysconfig
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 import framework
 from framework.components.data import Loaders, Splits, build_loaders, load_splits, to_device
 from framework.components.ema import EMA
-from framework.components.optim import build_optimizer, scaled_lr
+from framework.components.initial_weights import LoadPlan
+from framework.components.optim import build_optimizer, describe_groups, freeze, scaled_lr
 from framework.components.precision import Precision
 from framework.components.tasks import Task, first_batch
 from framework.components.utilization import (
@@ -52,6 +53,7 @@ from framework.core.distributed import host_group
 from framework.core.exits import ConfigError, ExitCode, first_line, outcome_of
 from framework.core.launch_context import DistEnv
 from framework.rank.model_selection import ModelSelection
+from framework.rank.pruning import TrialReports
 from framework.rank.state import Model, Optimization
 from framework.rank.stopping import SignalExchange, StopRequests
 from framework.storage.checkpoint import restore_rng, rng_state
@@ -73,6 +75,7 @@ class Parts:
     train_batch: Any  # the first training batch: the pre-flight check and the FLOPs count
     global_batch_size: int
     total_steps: int
+    initial: LoadPlan | None = None  # the file the weights came from (init=file)
 
 
 @dataclass(frozen=True)
@@ -107,12 +110,20 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
     ddp_options = OmegaConf.to_container(cfg.dist.ddp)  # DistributedDataParallel's keywords
     with refused_if_too_large(cfg.model, device):
         model = build_model(
-            cfg.model, cfg.strategy, trainer, ddp_options, env, device, precision.param_dtype
+            cfg.model,
+            cfg.strategy,
+            trainer,
+            ddp_options,
+            env,
+            device,
+            precision.param_dtype,
+            frozen=cfg.optimizer.freeze,
         )
         # Read once: the pre-flight check and the FLOPs count run on the same first batch.
         train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
         if (warning := check_task(task, model.module, train_batch, device)) and env.is_main:
             log.warning(warning)
+    initial = load_initial_weights(cfg.init, model)
     startup_clock.mark("model")
     return Parts(
         trainer=trainer,
@@ -125,7 +136,41 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
         train_batch=train_batch,
         global_batch_size=global_batch_size,
         total_steps=total_steps,
+        initial=initial,
     )
+
+
+def initial_plan(init_cfg: DictConfig, module: torch.nn.Module) -> LoadPlan | None:
+    """init=<option>'s plan for `module`: which file tensor fills which key, checked (None:
+    the weights as built). A mismatch is one line naming it (every rank raises alike)."""
+    with settings_refused("init", init_cfg):
+        initial = instantiate(init_cfg)
+    return initial.plan(module)
+
+
+def load_initial_weights(init_cfg: DictConfig, model: Model) -> LoadPlan | None:
+    """The weights training starts from, into the model and its EMA on every rank."""
+    plan = initial_plan(init_cfg, model.module)
+    if plan is None:
+        return None
+    modules = (model.module, *([model.ema.module] if model.ema else []))
+    if model.strategy.shards:  # each rank reads its own rows only
+        held = max(plan.load_into_shards(module) for module in modules)
+    else:
+        tensors = plan.tensors()
+        for module in modules:
+            model.strategy.load_initial(module, tensors)
+        held = sum(tensor.nbytes for tensor in tensors.values())
+        del tensors
+    left = f"; left as built: {', '.join(plan.skipped)}" if plan.skipped else ""
+    log.info(
+        "init: %d tensors from %s (at most %.2f MiB of them held at once)%s",
+        len(plan.names),
+        plan.source.path,
+        held / 2**20,
+        left,
+    )
+    return plan
 
 
 def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:
@@ -137,6 +182,24 @@ def planned_steps(trainer_cfg: Any, steps_per_epoch: int) -> int:
     if trainer_cfg.max_epochs is not None:
         limits.append(trainer_cfg.max_epochs * steps_per_epoch)
     return min(limits)
+
+
+def step_limit(trainer_cfg: Any, steps_per_epoch: int) -> tuple[str, str]:
+    """Which of max_steps and max_epochs ends the run (as planned_steps chose), said for a
+    user: (the setting with its value, the key to raise)."""
+    steps, epochs = trainer_cfg.max_steps, trainer_cfg.max_epochs
+    by_epochs = epochs * steps_per_epoch if epochs is not None else None
+    if by_epochs is not None and (steps is None or by_epochs < steps):
+        return (
+            f"trainer.max_epochs={epochs} ({epochs} x {steps_per_epoch} steps)",
+            "trainer.max_epochs",
+        )
+    if by_epochs == steps:
+        return (
+            f"trainer.max_steps={steps} and trainer.max_epochs={epochs}",
+            "both trainer.max_steps and trainer.max_epochs",
+        )
+    return f"trainer.max_steps={steps}", "trainer.max_steps"
 
 
 def seed_everything(seed: int) -> None:
@@ -180,16 +243,18 @@ def build_model(
     env: DistEnv,
     device: torch.device,
     param_dtype: torch.dtype | None = None,
+    frozen: Iterable[str] = (),
 ) -> Model:
     """The model on the device, what forward runs on (DDP-wrapped or sharded by
     strategy=<option>), and its EMA. `param_dtype`: what FSDP gathers parameters in. A strategy
     that shards builds the model on the meta device and initialises each rank's shards after
-    sharding: no rank holds the whole model."""
+    sharding: no rank holds the whole model. `frozen`: optimizer.freeze's patterns, applied
+    before the strategy wraps it."""
     log.info("Instantiating strategy <%s>", strategy_cfg._target_)
     with settings_refused("strategy", strategy_cfg):
         strategy = instantiate(strategy_cfg)
     log.info("Instantiating model <%s>", model_cfg._target_)
-    module, recipe = strategy.build(lambda: built("model", model_cfg), env)
+    module, recipe = strategy.build(lambda: freeze(built("model", model_cfg), frozen), env)
     if trainer.sync_batchnorm and env.distributed:
         if device.type != "cuda":
             raise ConfigError(
@@ -378,8 +443,12 @@ def check_task(task: Task, module: torch.nn.Module, batch: Any, device: torch.de
     return warning
 
 
-def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimization:
-    """The DDP comm hook (registered on the model), optimizer and schedule, with precision."""
+def build_optimization(
+    cfg: DictConfig, env: DistEnv, parts: Parts, schedule_steps: int | None = None
+) -> Optimization:
+    """The DDP comm hook (registered on the model), optimizer and schedule, with precision.
+    `schedule_steps`: the steps the schedule spans (default: the run's planned steps)."""
+    schedule_steps = parts.total_steps if schedule_steps is None else schedule_steps
     model, precision = parts.model, parts.precision
     with settings_refused("comm", cfg.comm):
         comm = instantiate(cfg.comm)(env=env)
@@ -391,9 +460,10 @@ def build_optimization(cfg: DictConfig, env: DistEnv, parts: Parts) -> Optimizat
     overrides = model.strategy.optimizer_overrides(cfg.optimizer)
     with settings_refused("optimizer", cfg.optimizer):
         optimizer = build_optimizer(cfg.optimizer, model.module, lr, overrides)
+    log.info("optimizer parameters: %s", describe_groups(optimizer, model.module))
     with settings_refused("scheduler", cfg.scheduler):
-        scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=parts.total_steps)
-    return Optimization(optimizer, scheduler, precision, comm)
+        scheduler = instantiate(cfg.scheduler)(optimizer=optimizer, total_steps=schedule_steps)
+    return Optimization(optimizer, scheduler, precision, comm, schedule_steps)
 
 
 def compiled(model: Model, compile: bool) -> Model:
@@ -418,6 +488,7 @@ def build_training(
             resolve_monitor(cfg.objective, parts.task.directions()),
             keep_best=cfg.checkpoint.best,
             early_stopping=parts.trainer.early_stopping,
+            trial=TrialReports.build(env),
         ),
         # Stop signals travel on a CPU (gloo) group, also when training uses NCCL.
         signals=SignalExchange(env, requests, host_group(env, backend)),

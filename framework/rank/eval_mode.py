@@ -31,7 +31,7 @@ class EvalRequest:
     """mode=eval's settings."""
 
     split: str  # eval.split
-    checkpoint: Path  # checkpoint.resume
+    checkpoint: Path  # checkpoint.resume, or init.path (the weights evaluated)
     record: dict[str, Any]  # the resolved, redacted config (redaction.redacted_container)
     objective: str | None
     data_target: str  # data._target_, named when it has no test split
@@ -42,32 +42,57 @@ def evaluate_checkpoint(
 ) -> dict[str, Any] | None:
     """mode=eval: the checkpoint's weights (its EMA's with trainer.ema_decay) on eval.split,
     reduced exactly over the ranks, into this run dir (inside the checkpoint's run dir)."""
-    split, path, model = request.split, request.checkpoint, parts.model
-    loader = parts.loaders.val if split == "val" else parts.loaders.test
-    if loader is None:
-        raise ConfigError(
-            f"eval.split=test: data={request.data_target} has no test split here "
-            "(set data.test_fraction, for the data options that have one)"
-        )
+    path, model = request.checkpoint, parts.model
+    loader = _loader(parts, request)
     payload = read_checkpoint(path)
     _check_same_experiment(path, payload, request.record)
     weights = "ema" if model.ema is not None and payload["ema"] else "model"
     evaluated = model.ema.module if weights == "ema" else model.module
     check_model_keys(path, payload[weights], evaluated)
     model.strategy.load_weights(evaluated, payload[weights])
-    release_held_console()  # the checkpoint fits: nothing is left to refuse the evaluation
+    return _evaluated(parts, request, evaluated, loader, payload["step"], run, env)
+
+
+def evaluate_initial_weights(
+    parts: Parts, request: EvalRequest, run: RunDir, env: DistEnv
+) -> dict[str, Any] | None:
+    """mode=eval init=file: the file's weights (loaded as training would start from them) on
+    eval.split, without a training run."""
+    return _evaluated(parts, request, parts.model.module, _loader(parts, request), 0, run, env)
+
+
+def _loader(parts: Parts, request: EvalRequest) -> Any:
+    loader = parts.loaders.val if request.split == "val" else parts.loaders.test
+    if loader is None:
+        raise ConfigError(
+            f"eval.split=test: data={request.data_target} has no test split here "
+            "(set data.test_fraction, for the data options that have one)"
+        )
+    return loader
+
+
+def _evaluated(
+    parts: Parts,
+    request: EvalRequest,
+    evaluated: Any,
+    loader: Any,
+    step: int,
+    run: RunDir,
+    env: DistEnv,
+) -> dict[str, Any] | None:
+    release_held_console()  # the weights fit: nothing is left to refuse the evaluation
     metrics = evaluate(
         parts.task,
         evaluated,
         loader,
         parts.precision,
         lambda batch: to_device(batch, parts.device, parts.trainer.channels_last),
-        split,
-        lockstep=model.strategy.shards,
+        request.split,
+        lockstep=parts.model.strategy.shards,
     )
     if not env.is_main:
         return None
-    return _write_summary(request, parts, metrics, payload["step"], run, env)
+    return _write_summary(request, parts, metrics, step, run, env)
 
 
 def _write_summary(

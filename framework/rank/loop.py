@@ -162,7 +162,14 @@ class Runner:
             if agreed_signal:
                 break
         progress.close()
-        if self.selection.stopped_early and self.env.is_main:
+        if self.selection.pruned:  # every rank says where it stopped: one step, agreed
+            log.warning(
+                "%s; rank %d stops at step %d",
+                self.selection.pruned,
+                self.env.rank,
+                self.state.step,
+            )
+        elif self.selection.stopped_early and self.env.is_main:
             log.warning("%s; stopping at step %d", self.selection.stopped_early, self.state.step)
         return agreed_signal
 
@@ -472,6 +479,8 @@ class Runner:
             summary["memory/ledger"] = [ledger.as_dict() for ledger in self.ledgers]
         if self.selection.stopped_early:
             summary["stopped_early"] = self.selection.stopped_early
+        if self.selection.pruned:
+            summary["pruned"] = True
         return summary
 
 

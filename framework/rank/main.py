@@ -48,14 +48,16 @@ from framework.rank.build import (
     build_training,
     compiled,
     seed_everything,
+    step_limit,
 )
-from framework.rank.eval_mode import EvalRequest, evaluate_checkpoint
+from framework.rank.eval_mode import EvalRequest, evaluate_checkpoint, evaluate_initial_weights
 from framework.rank.finish import final_line, finish
 from framework.rank.loop import Outputs, Runner
 from framework.rank.state import Optimization
 from framework.rank.stopping import StopRequests
 from framework.storage.checkpoint import Checkpointer
 from framework.storage.run_dir import RunDir
+from framework.storage.weights_file import file_record
 
 log = logging.getLogger("framework")
 
@@ -114,6 +116,10 @@ def build_and_run(
     DDP sits in reference cycles, which nothing collects before a rank's process leaves; a
     collection here would also shut down persistent DataLoader workers (15 s: three joins)."""
     parts = build_parts(cfg, env, device)
+    if cfg.mode == "eval" and parts.initial is not None:
+        return evaluate_initial_weights(
+            parts, eval_request(cfg, parts.initial.source.path), run, env
+        )
     if cfg.mode == "eval":
         return evaluate_checkpoint(parts, eval_request(cfg), run, env)
     return train(cfg, parts, run, env, backend, requests)
@@ -152,10 +158,11 @@ def log_layout(
     )
 
 
-def eval_request(cfg: DictConfig) -> EvalRequest:
+def eval_request(cfg: DictConfig, weights: Path | None = None) -> EvalRequest:
+    """mode=eval's settings; `weights`: the file evaluated, else checkpoint.resume."""
     return EvalRequest(
         split=cfg.eval.split,
-        checkpoint=Path(cfg.checkpoint.resume).expanduser(),
+        checkpoint=weights or Path(cfg.checkpoint.resume).expanduser(),
         record=redacted_container(cfg),
         objective=cfg.objective,
         data_target=cfg.data._target_,
@@ -196,11 +203,9 @@ def train(
 
 
 def open_run(cfg: DictConfig, parts: Parts, run: RunDir, env: DistEnv) -> OpenedRun | None:
-    """The optimization and the compiled model, the checkpoint to resume found, the run dir
+    """The checkpoint to resume found, the optimization and the compiled model, the run dir
     accepted and the sinks open. None for a run that is already complete: it is left as it is."""
     seed_everything(parts.trainer.seed + env.rank)  # per-rank streams from here on
-    optimization = build_optimization(cfg, env, parts)
-    parts = dataclasses.replace(parts, model=compiled(parts.model, parts.trainer.compile))
     # Redacted once: config.yaml, W&B and the checkpoints never carry a secret (and a rotated
     # key still resumes).
     record = redacted_container(cfg)
@@ -215,10 +220,14 @@ def open_run(cfg: DictConfig, parts: Parts, run: RunDir, env: DistEnv) -> Opened
     )
     resumed = checkpointer.find_resume()
     if resumed and is_complete(resumed[1], parts.total_steps) and run.summary.exists():
-        log_already_complete(run, resumed[1], parts.total_steps)
+        log_already_complete(run, resumed[1], parts)
         return None
+    steps = schedule_steps(resumed, parts.total_steps, env)
+    optimization = build_optimization(cfg, env, parts, steps)
+    parts = dataclasses.replace(parts, model=compiled(parts.model, parts.trainer.compile))
     if env.is_main:
         accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
+        record_initial_weights(run, parts, resumed is not None)
     sink = build_sink(
         env.is_main,
         cfg.logger,
@@ -260,18 +269,77 @@ def fit_run(
 
 
 def is_complete(payload: dict[str, Any], total_steps: int) -> bool:
-    """A checkpoint at the planned last step, or of a run that early stopping ended."""
-    return payload["step"] >= total_steps or bool(payload["trainer"].get("stopped_early"))
+    """A checkpoint at the planned last step, or of a run that early stopping (or a pruning
+    sweep's pruner) ended."""
+    trainer = payload["trainer"]
+    return payload["step"] >= total_steps or bool(
+        trainer.get("stopped_early") or trainer.get("pruned")
+    )
 
 
-def log_already_complete(run: RunDir, payload: dict[str, Any], total_steps: int) -> None:
+def log_already_complete(run: RunDir, payload: dict[str, Any], parts: Parts) -> None:
+    ended = payload["trainer"].get("stopped_early") or payload["trainer"].get("pruned")
+    if ended:
+        log.info("%s is complete at step %d (%s): nothing to do", run.path, payload["step"], ended)
+        return
+    steps_per_epoch = len(parts.loaders.train) // parts.trainer.grad_accum
+    limit, setting = step_limit(parts.trainer, steps_per_epoch)
     log.info(
-        "%s is complete at step %d (%s): nothing to do; raise trainer.max_steps or "
-        "trainer.max_epochs to train further",
+        "%s is complete at step %d (the planned %d steps, set by %s): nothing to do; raise %s "
+        "to train further",
         run.path,
         payload["step"],
-        payload["trainer"].get("stopped_early") or f"the planned {total_steps} steps",
+        parts.total_steps,
+        limit,
+        setting,
     )
+
+
+def schedule_steps(
+    resumed: tuple[Path, dict[str, Any]] | None, total_steps: int, env: DistEnv
+) -> int:
+    """The steps the learning-rate schedule spans. A run whose schedule had ended (a finished
+    run given more steps) keeps it: the added steps continue at its final learning rate, where
+    a longer schedule would jump the rate back up. A run resumed before the end follows the
+    longer (or shorter) schedule from where it stands. A checkpoint from before the field
+    ("schedule_steps") is treated as the planned steps."""
+    ended = resumed[1].get("schedule_steps") if resumed else None
+    if ended is None or ended == total_steps:
+        return total_steps
+    step = resumed[1]["step"]
+    if step >= ended:
+        if env.is_main:
+            log.info(
+                "the learning-rate schedule ended at step %d: the %d added steps continue at "
+                "its final rate (for a new schedule, start a new run from these weights: "
+                "init=file init.path=%s)",
+                ended,
+                total_steps - step,
+                resumed[0],
+            )
+        return ended
+    if env.is_main:
+        log.info(
+            "the learning-rate schedule now spans %d steps instead of %d: from step %d the rate "
+            "follows the new length",
+            total_steps,
+            ended,
+            step,
+        )
+    return total_steps
+
+
+def record_initial_weights(run: RunDir, parts: Parts, resumed: bool) -> None:
+    """init.json names the file the weights came from and its checksums, once: a resume
+    continues from its checkpoint's weights (and needs no init.path)."""
+    if parts.initial is None:
+        return
+    if resumed:
+        log.info(
+            "init: %s not used: the checkpoint resumed holds the weights", parts.initial.source.path
+        )
+        return
+    run.save_init_record(file_record(parts.initial.source))
 
 
 def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:

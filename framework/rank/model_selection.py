@@ -16,6 +16,7 @@ from typing import Any
 
 from framework.config.schemas import EarlyStoppingConfig
 from framework.core.distributed import broadcast_object
+from framework.rank.pruning import TrialReports
 from framework.rank.state import Model
 from framework.storage.checkpoint import Checkpointer
 from framework.storage.checkpoint import read as read_checkpoint
@@ -79,28 +80,40 @@ class EarlyStopping:
 
 
 class ModelSelection:
-    """Best-K checkpoints, early stopping and the test's weights, on one monitored metric.
-    Saved in the checkpoint's "trainer" entry (keys best, best_score, stale_evaluations,
-    stopped_early)."""
+    """Best-K checkpoints, early stopping (a pruning sweep's pruner too) and the test's
+    weights, on one monitored metric. Saved in the checkpoint's "trainer" entry (keys best,
+    best_score, stale_evaluations, stopped_early, pruned)."""
 
-    def __init__(self, best: BestCheckpoints, early_stopping: EarlyStopping) -> None:
-        self.best, self.early_stopping = best, early_stopping
+    def __init__(
+        self,
+        best: BestCheckpoints,
+        early_stopping: EarlyStopping,
+        trial: TrialReports | None = None,
+    ) -> None:
+        self.best, self.early_stopping, self.trial = best, early_stopping, trial
         self.monitor, self.maximize = early_stopping.monitor, early_stopping.maximize
+        self.pruned: str | None = None  # why, once a pruning sweep's pruner ended the run
 
     @classmethod
     def build(
-        cls, monitor: tuple[str, str], keep_best: int, early_stopping: EarlyStoppingConfig
+        cls,
+        monitor: tuple[str, str],
+        keep_best: int,
+        early_stopping: EarlyStoppingConfig,
+        trial: TrialReports | None = None,
     ) -> ModelSelection:
-        """From (metric, "min" | "max"), checkpoint.best and trainer.early_stopping."""
+        """From (metric, "min" | "max"), checkpoint.best, trainer.early_stopping and, in a
+        pruning sweep's trial, its reports to the study."""
         name, maximize = monitor[0], monitor[1] == "max"
         return cls(
             BestCheckpoints(keep_best, maximize),
             EarlyStopping(name, maximize, early_stopping.patience, early_stopping.min_delta),
+            trial,
         )
 
     @property
     def stopped_early(self) -> str | None:
-        return self.early_stopping.stopped
+        return self.early_stopping.stopped or self.pruned
 
     def after_evaluation(
         self,
@@ -121,6 +134,8 @@ class ModelSelection:
             self.best.add(score, step)
         if periodic:
             self.early_stopping.update(score)
+        if periodic and self.trial is not None and self.stopped_early is None:
+            self.pruned = self.trial.judge(step, score)  # the same on every rank
 
     def test_weights(self, checkpointer: Checkpointer, is_main: bool, model: Model) -> str:
         """Collective: load the best checkpoint's weights (its EMA's with trainer.ema_decay)
@@ -141,6 +156,7 @@ class ModelSelection:
             "best_score": stopping.best_score,
             "stale_evaluations": stopping.stale_evaluations,
             "stopped_early": stopping.stopped,
+            "pruned": self.pruned,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -149,3 +165,4 @@ class ModelSelection:
         stopping.best_score = state.get("best_score", stopping.best_score)
         stopping.stale_evaluations = state.get("stale_evaluations", stopping.stale_evaluations)
         stopping.stopped = state.get("stopped_early", stopping.stopped)
+        self.pruned = state.get("pruned", self.pruned)

@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from framework.components.data import to_device
-from framework.components.optim import build_optimizer, scaled_lr
+from framework.components.optim import build_optimizer, freeze, scaled_lr
 from framework.components.tasks import Task, first_batch
 from framework.components.tasks.base import pick
 from framework.config import batch
@@ -35,6 +35,7 @@ from framework.rank.build import (
     build_data,
     built,
     check_task,
+    initial_plan,
     planned_steps,
     preserved_rng,
     refused_if_too_large,
@@ -65,8 +66,10 @@ def preflight(cfg: DictConfig, world_size: int) -> None:
         trial_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
         check_described_shape(cfg.data, trial_batch)
         with refused_if_too_large(cfg.model, device):
-            module, recipe = strategy.build(lambda: built("model", cfg.model), env)
+            frozen = cfg.optimizer.freeze
+            module, recipe = strategy.build(lambda: freeze(built("model", cfg.model), frozen), env)
             strategy.block_names(module)  # what it shards (or checkpoints) is the model's
+            initial_plan(cfg.init, module)  # the weights it starts from fit it
             if recipe is None:
                 check_task(task, module.to(device), trial_batch, device)
             else:

@@ -59,6 +59,7 @@ class Optimization:
     scheduler: LRScheduler
     precision: Precision
     comm: Comm  # the DDP comm hook: its memory (PowerSGD's error feedback) is per rank
+    schedule_steps: int  # the optimizer steps the schedule spans (total_steps, unless kept)
 
 
 @dataclass
@@ -229,7 +230,12 @@ def run_states(
             "trainer": FlatStates(train_state, selection),
         },
         per_rank={**per_rank, "comm": optimization.comm},
-        constants={"steps_per_epoch": steps_per_epoch},
+        # schedule_steps: the steps the schedule was built for, which a run extended after it
+        # finished keeps (main.schedule_steps).
+        constants={
+            "steps_per_epoch": steps_per_epoch,
+            "schedule_steps": optimization.schedule_steps,
+        },
         gathers=strategy.shards,
     )
 

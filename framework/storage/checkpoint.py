@@ -312,7 +312,7 @@ def _read_sharded_sidecar(sidecar: Path) -> dict[str, Any]:
 def _load_ours(path: Path, checkpoint: Path) -> dict[str, Any]:
     """The payload at `path`, refused unless this framework wrote it (`checkpoint`: the file or
     folder the message names)."""
-    payload = _load_payload(path)
+    payload = load_weights_only(path)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{checkpoint} is not a checkpoint written by this framework")
     return payload
@@ -332,7 +332,9 @@ UNREADABLE = (
 )
 
 
-def _load_payload(path: Path) -> Any:
+def load_weights_only(path: Path) -> Any:
+    """torch.load with weights_only: a file holding pickled objects or code is refused in one
+    line naming it, and nothing in it runs."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except UNREADABLE as error:

@@ -15,6 +15,10 @@ rank's files. Into safetensors they stream, one output file's tensors at a time:
 model. (A step_*.pt file is one torch.load: rank 0 wrote it whole, and it is read whole.)
 `--ema` exports the EMA's weights (trainer.ema_decay). An output that exists is refused, never
 overwritten.
+
+    --format hf_gpt2 out/   a model=gpt checkpoint as Hugging Face's GPT-2 folder: config.json and
+                            model.safetensors in GPT2LMHeadModel's names and layouts
+                            (transformers' from_pretrained loads it; storage/key_maps.py)
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from safetensors.torch import save_file
 from framework.core.exits import CheckpointError, ExitCode
 from framework.storage.checkpoint import read
 from framework.storage.files import atomic_write, fsync_dir
+from framework.storage.key_maps import HuggingFaceGPT2
 from framework.storage.sharded import ShardedState
 
 SAFETENSORS = ".safetensors"
@@ -149,7 +154,7 @@ def tensor_sizes(weights: Mapping[str, Any] | ShardedState) -> dict[str, int]:
     """Bytes of each tensor, by its name in the state_dict, in its order (from the index for a
     sharded checkpoint: nothing is read)."""
     if isinstance(weights, ShardedState):
-        names = _names(weights)
+        names = sharded_names(weights)
         entries = weights.entries()
         return {
             name: entries[key].size.numel() * entries[key].properties.dtype.itemsize
@@ -187,7 +192,7 @@ def shard_paths(output: Path, count: int) -> list[Path]:
     ]
 
 
-def _names(weights: ShardedState) -> dict[str, str]:
+def sharded_names(weights: ShardedState) -> dict[str, str]:
     """{state_dict name: its key in the checkpoint} of a sharded model's flat state_dict."""
     skeleton = weights.skeleton
     keys = set(weights.entries())
@@ -270,6 +275,62 @@ def summary(exported: Exported) -> str:
     )
 
 
+GPT = "framework.components.models.GPT"
+
+
+def export_hf_gpt2(checkpoint: Path, folder: Path, ema: bool = False) -> Exported:
+    """A model=gpt checkpoint as Hugging Face's GPT-2 folder (config.json, model.safetensors):
+    the names and layouts GPT2LMHeadModel saves, its sizes from the checkpoint's own config."""
+    checkpoint = checkpoint.expanduser()
+    settings = {key: json.loads(value) for key, value in read(checkpoint)["config"].items()}
+    if settings.get("model._target_") != GPT:
+        raise CheckpointError(
+            f"--format hf_gpt2 writes a model={GPT}'s weights as GPT-2's; {checkpoint} holds a "
+            f"{settings.get('model._target_')}: export it without --format"
+        )
+    if folder.exists():
+        raise CheckpointError(f"{folder} exists: name a new folder (nothing is overwritten)")
+    weights = whole_weights(checkpoint, ema)
+    key_map = HuggingFaceGPT2()
+    tensors = {}
+    for key, tensor in weights.items():
+        name = key_map.name_in_file(key)
+        if name is not None:
+            tensors[name] = key_map.tensor_in_file(name, tensor)
+    folder.mkdir(parents=False)
+    write_safetensors(folder / "model.safetensors", tensors)
+    config = gpt2_config(settings, weights)
+    atomic_write(folder / "config.json", lambda file: file.write(json.dumps(config).encode()))
+    size = sum(t.nbytes for t in tensors.values())
+    return Exported(len(tensors), [folder / "model.safetensors"], size, size)
+
+
+def gpt2_config(settings: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> dict:
+    """GPT2Config's keys for the shipped GPT's settings (dropout as trained; no cross-attention,
+    tied embeddings, layer norm eps 1e-5: nn.LayerNorm's)."""
+    vocab_size, width = weights["tokens.weight"].shape
+    activation = settings.get("model.activation", "gelu")
+    dropout = settings.get("model.dropout", 0.0)
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": weights["positions.weight"].shape[0],
+        "n_embd": width,
+        "n_layer": settings["model.layers"],
+        "n_head": settings["model.heads"],
+        "n_inner": None,
+        "activation_function": "gelu_new" if activation == "gelu_tanh" else "gelu",
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": dropout,
+        "embd_pdrop": dropout,
+        "attn_pdrop": dropout,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="framework-export",
@@ -284,6 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ema", action="store_true", help="the EMA's weights instead")
     parser.add_argument(
+        "--format",
+        choices=["state_dict", "hf_gpt2"],
+        default="state_dict",
+        help="hf_gpt2: a model=gpt checkpoint as Hugging Face's GPT-2 folder (the output: a new "
+        "folder)",
+    )
+    parser.add_argument(
         "--max-shard-size",
         help=f"safetensors: tensors per file at most (default {DEFAULT_MAX_SHARD}; also what "
         "is held in memory at once)",
@@ -291,7 +359,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         limit = None if args.max_shard_size is None else parse_size(args.max_shard_size)
-        exported = export(args.checkpoint, args.output, args.ema, limit)
+        if args.format == "hf_gpt2":
+            exported = export_hf_gpt2(args.checkpoint, args.output, args.ema)
+        else:
+            exported = export(args.checkpoint, args.output, args.ema, limit)
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(ExitCode.CONFIG_REJECTED) from None

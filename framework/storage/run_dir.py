@@ -89,6 +89,12 @@ class RunDir:
     def lock(self) -> Path:
         return self.path / ".lock"
 
+    @property
+    def init_record(self) -> Path:
+        """The weights the run started from (init=file): their path and sha256, written once
+        at the start; a resume takes its weights from a checkpoint and leaves it as it is."""
+        return self.path / "init.json"
+
     # --- accept or refuse ---------------------------------------------------------------------
     def holds_run(self) -> bool:
         return self.metrics.exists() or self.summary.exists()
@@ -177,6 +183,11 @@ class RunDir:
     def save_config(self, record: dict[str, Any]) -> None:
         """config.yaml, written once the run is accepted: a refused resume changes nothing."""
         OmegaConf.save(OmegaConf.create(record), self.config)
+
+    def save_init_record(self, record: dict[str, Any]) -> None:
+        atomic_write(
+            self.init_record, lambda file: file.write(json.dumps(record, indent=2).encode())
+        )
 
     def trim_metrics(self, step: int) -> int:
         """Drop events after `step` (they are re-run after a resume); returns how many went."""

@@ -3,7 +3,8 @@
 Hydra finds plugins only in the hydra_plugins namespace, so this module sits there (installed
 with the framework) and only names them: the launchers are Hydra's basic one and
 hydra-submitit-launcher's two, each with the sweep summary and, the submitit ones, waiting for
-rank 0's result (framework/app/summarized_sweep.py); the search
+rank 0's result (framework/app/summarized_sweep.py); the sweeper hydra/sweeper=optuna_prune is in
+pruning_sweeper.py beside this module; the search
 path plugin is framework/app/config_search_path.py. The import contract keeps this module a
 shim: the framework never imports it.
 """

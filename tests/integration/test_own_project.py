@@ -85,9 +85,8 @@ def test_help_lists_the_projects_options_and_groups_beside_the_shipped_ones(cli,
     assert result.returncode == 0, result.stderr
     groups = result.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     assert "data: cifar10, diabetes, digits, own, synthetic, text, text_stream" in groups
-    assert "experiment: char_gpt, cifar10_resnet18, diabetes_mlp, digits_cnn, digits_vae, own" in (
-        groups
-    )
+    presets = "char_gpt, cifar10_resnet18, diabetes_mlp, digits_cnn, digits_finetune, digits_vae"
+    assert f"experiment: {presets}, own" in groups
     assert "augment: flip" in groups
 
 

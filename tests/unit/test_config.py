@@ -416,3 +416,18 @@ def test_the_table_of_rules_in_the_docs_is_the_table_the_code_checks():
     section = page.split("## Bad input")[1].split("\n## ")[0]
     documented = re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
     assert documented == [rule.__name__ for rule in RULES]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["init.path=model.safetensors"], "init.path is not a setting of "),
+        (["optimizer=adamw", "optimizer.nesterov=true"], "; optimizer=sgd takes it"),
+    ],
+)
+def test_a_key_of_another_option_of_the_group_names_that_option(overrides, expected):
+    with pytest.raises(ConfigError) as refused:
+        validate(make_cfg(*overrides))
+    assert expected in str(refused.value)
+    if overrides[0].startswith("init."):
+        assert str(refused.value).endswith("; init=file takes it")

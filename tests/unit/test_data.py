@@ -74,6 +74,17 @@ def test_digits_is_the_real_bundled_dataset():
     assert set(labels.tolist()) == set(range(10))
 
 
+def test_digits_classes_keeps_those_digits_labelled_in_the_order_given():
+    every = digits(**option_values("data", "digits", val_fraction=0.0))
+    images, labels = every.train.tensors
+    kept = digits(**option_values("data", "digits", val_fraction=0.0, classes=[7, 3]))
+    kept_images, kept_labels = kept.train.tensors
+    assert sorted(kept_labels.unique().tolist()) == [0, 1]
+    assert (kept_labels == 0).sum() == (labels == 7).sum()
+    assert (kept_labels == 1).sum() == (labels == 3).sum()
+    assert torch.equal(kept_images[kept_labels == 0].sum(0), images[labels == 7].sum(0))
+
+
 def test_digits_and_diabetes_equal_scikit_learns_loaders_without_importing_it():
     from sklearn.datasets import load_diabetes, load_digits
 

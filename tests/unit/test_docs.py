@@ -55,7 +55,7 @@ SHELL_BLOCKS = ("", "sh", "bash", "shell", "console")  # a fence's info string
 DIRECTIVE = re.compile(r"<!--\s*docs test:\s*(.*?)\s*-->")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 # Values that name the reader's own files: validate() would look for them (compose does not).
-READERS_FILES = ("data.root=", "checkpoint.resume=")
+READERS_FILES = ("data.root=", "checkpoint.resume=", "init.path=")
 # A documented example file: conf/<group>/<name>.yaml or experiments/<name>.yaml.
 EXAMPLE_FILE = re.compile(r"^#\s*((?:conf/(\w+)|(experiments))/(\w+)\.yaml)\b")
 REPO_PATH = re.compile(

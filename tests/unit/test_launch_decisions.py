@@ -187,3 +187,17 @@ def test_a_rendezvous_port_torch_would_refuse_is_refused_first(endpoint, refused
             validate(cfg)
     else:
         validate(cfg)
+
+
+def test_a_pruning_sweeps_fork_server_preloads_optuna(monkeypatch):
+    """Its ranks' rank 0 reports to the study through Optuna: imported in each trial's rank it
+    cost about 3 s a trial (docs/benchmarks.md, pruning); preloaded, nothing."""
+    from framework.launch import forkserver
+
+    preloads = []
+    monkeypatch.setattr(forkserver, "warm_up", lambda extra=None: preloads.append(extra))
+    for name in ("RANK", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(name, raising=False)
+    forkserver.warm_up_if_forking(["-m", "hydra/sweeper=optuna_prune", "optimizer.lr=0.1"])
+    forkserver.warm_up_if_forking(["-m", "hydra/sweeper=optuna", "optimizer.lr=0.1"])
+    assert preloads == [["optuna"], None]

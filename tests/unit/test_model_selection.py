@@ -110,6 +110,7 @@ def test_a_best_checkpoint_is_saved_before_its_evaluation_is_recorded():
         "best_score": 1.0,
         "stale_evaluations": 0,
         "stopped_early": None,
+        "pruned": None,
     }
 
 
@@ -136,6 +137,7 @@ def test_selection_state_round_trips_into_a_fresh_selection():
         "best_score": 1.5,
         "stale_evaluations": 2,
         "stopped_early": None,
+        "pruned": None,
     }
     # The restored one carries on where the first stopped: one more stale evaluation stops it.
     restored.after_evaluation(25, {"val/loss": 1.55}, periodic=True, save_best=lambda s: None)
@@ -178,3 +180,18 @@ def test_without_best_checkpoints_the_test_uses_the_final_weights(tmp_path):
     source = selection(keep=0).test_weights(checkpointer(tmp_path, best=0), True, model)
     assert source == "final weights"
     assert torch.equal(model.module.weight, final)
+
+
+def test_a_run_its_pruner_stopped_is_complete_and_keeps_why():
+    """A pruning sweep's trial whose job ended but whose sweeper was killed before it told the
+    study runs again as the same job: its checkpoint must say the run is over."""
+    from framework.rank.main import is_complete
+
+    chosen = ModelSelection.build(("val/loss", "min"), 0, EarlyStoppingConfig())
+    chosen.pruned = "pruned by the sweep's asha pruner at step 4 (objective 2.3)"
+    saved = chosen.state_dict()
+    assert is_complete({"step": 4, "trainer": saved}, total_steps=8)
+    assert not is_complete({"step": 4, "trainer": {**saved, "pruned": None}}, total_steps=8)
+    restored = ModelSelection.build(("val/loss", "min"), 0, EarlyStoppingConfig())
+    restored.load_state_dict(saved)
+    assert restored.stopped_early == restored.pruned == chosen.pruned

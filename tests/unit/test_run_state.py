@@ -34,6 +34,7 @@ TRAINER_KEYS = [
     "best_score",
     "stale_evaluations",
     "stopped_early",
+    "pruned",  # a pruning sweep's pruner ended the run (framework/rank/pruning.py)
 ]
 
 
@@ -102,6 +103,7 @@ def test_the_registry_round_trips_every_state_into_fresh_objects():
         "best_score": 0.7,
         "stale_evaluations": 0,
         "stopped_early": None,
+        "pruned": None,
     }
     position = restored.per_rank["loader_generator"]
     position.start_epoch()  # the restored position applies when the next epoch begins

@@ -274,6 +274,7 @@ SHIPPED = [
             "precision",
             "comm",
             "strategy",
+            "init",
         )
         for name in options(CONF_DIR / group)
     ),

@@ -72,3 +72,22 @@ def test_a_sweep_dir_is_reused_only_by_the_same_sweep(tmp_path):
     (tmp_path / "multirun.yaml").write_text("hydra: [unclosed\n")
     with pytest.raises(ConfigError, match="holds files that are not a sweep's"):
         check_sweep_dir(tmp_path, ["optimizer.lr=0.2"])
+
+
+def test_a_pruned_job_is_marked_pruned_and_is_no_contender_for_best(tmp_path):
+    finished_job(tmp_path, 0, "0.1", 0.90)
+    finished_job(tmp_path, 1, "0.5", 0.95)  # better so far, but stopped by the pruner
+    pruned = json.loads((tmp_path / "1" / "summary.json").read_text())
+    (tmp_path / "1" / "summary.json").write_text(json.dumps({**pruned, "pruned": True}))
+    summary = SweepSummary(tmp_path, None)
+    summary.write()
+    assert [(row["job"], row["status"]) for row in rows(tmp_path)] == [
+        ("0", "completed"),
+        ("1", "pruned"),
+    ]
+    assert "| 1 | pruned |" in (tmp_path / "summary.md").read_text()
+    assert summary.best().num == 0
+    assert [label for label, _, _ in summary.labelled_runs()] == [
+        "#0 optimizer.lr=0.1",
+        "#1 optimizer.lr=0.5 pruned",
+    ]

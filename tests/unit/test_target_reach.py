@@ -93,6 +93,29 @@ REVIEWED_CALLS: dict[tuple[str, str], str] = {
     ("torch.nn.modules.module.Module.compile", "torch.compile"): (
         "a config cannot call a method; the run compiles the model itself (trainer.compile)"
     ),
+    ("framework.storage.checkpoint.load_weights_only", "torch.serialization.load"): (
+        "init.path's file is read with weights_only=True: tensors and plain values only, a "
+        "pickle naming any other class is refused unrun (tests/integration/"
+        "test_initial_weights.py: a pickle that would create a file creates none)"
+    ),
+    (
+        "torch.distributed.checkpoint.filesystem.FileSystemReader.read_data",
+        "torch.serialization.load",
+    ): (
+        "init.path's step_<N>.dcp/: DCP reads each tensor with weights_only=True, and "
+        "framework.storage.sharded's TensorsOnlyPlanner refuses every pickled (byte) item"
+    ),
+    ("torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata", "_pickle.load"): (
+        "the scan reaches the base class's method; framework.storage.sharded.SafeReader, the "
+        "only reader built, overrides it with an unpickler of DCP's index classes alone"
+    ),
+    (
+        "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner.load_bytes",
+        "torch.serialization.load",
+    ): (
+        "the scan reaches the base class's method; framework.storage.sharded's "
+        "TensorsOnlyPlanner, the only planner built, overrides it to refuse every byte item"
+    ),
 }
 
 

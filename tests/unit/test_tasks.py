@@ -88,7 +88,9 @@ def ragged_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def test_language_model_perplexity_and_bits_per_char_follow_the_per_token_loss():
     torch.manual_seed(0)
-    model = GPT(vocab_size=16, block_size=32, layers=1, heads=2, width=16, dropout=0.0).eval()
+    model = GPT(
+        vocab_size=16, block_size=32, layers=1, heads=2, width=16, dropout=0.0, activation="gelu"
+    ).eval()
     batches = ragged_batches()
     task = LanguageModel(**option_values("task", "language_model"))
     with torch.no_grad():
@@ -110,7 +112,9 @@ def test_normalising_by_the_tokens_of_the_whole_step_gives_one_big_batchs_gradie
     """What the runner does under accumulation (and across ranks): each micro-batch's summed
     loss over the step's token count. The naive mean of per-micro-batch means differs."""
     torch.manual_seed(0)
-    model = GPT(vocab_size=16, block_size=32, layers=1, heads=2, width=16, dropout=0.0)
+    model = GPT(
+        vocab_size=16, block_size=32, layers=1, heads=2, width=16, dropout=0.0, activation="gelu"
+    )
     task = LanguageModel(**option_values("task", "language_model"))
     small, large = ragged_batches()
     step_tokens = sum(int(task.count(batch)) for batch in (small, large))

@@ -69,7 +69,15 @@ def test_gpt_flops_are_six_per_parameter_and_token_plus_attention():
     layers, width, vocab, batch_size, tokens = 2, 32, 50, 3, 16
     flops, where = micro_batch_flops(
         LanguageModel(**option_values("task", "language_model")),
-        lambda: GPT(vocab, block_size=tokens, layers=layers, heads=4, width=width, dropout=0.0),
+        lambda: GPT(
+            vocab,
+            block_size=tokens,
+            layers=layers,
+            heads=4,
+            width=width,
+            dropout=0.0,
+            activation="gelu",
+        ),
         (
             torch.randint(0, vocab, (batch_size, tokens)),
             torch.randint(0, vocab, (batch_size, tokens)),

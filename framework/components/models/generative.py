@@ -4,7 +4,7 @@ images, and a nanoGPT-style character transformer."""
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,8 @@ from torch import nn
 
 Size = Annotated[int, Ge(1)]  # a count of features, units, tokens, blocks or heads
 Dropout = Annotated[float, Interval(ge=0, lt=1)]
+# The MLP's GELU: exact (erf), or tanh-approximated as GPT-2 was trained with ("gelu_new").
+Activation = Literal["gelu", "gelu_tanh"]
 
 
 class FeedForward(nn.Module):
@@ -91,7 +93,9 @@ class VAE(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm causal self-attention, then an MLP, each on a residual path."""
 
-    def __init__(self, width: int, heads: int, dropout: float) -> None:
+    def __init__(
+        self, width: int, heads: int, dropout: float, activation: Activation = "gelu"
+    ) -> None:
         super().__init__()
         if width % heads:  # each head takes width / heads channels
             divisors = [n for n in range(1, min(width, 64) + 1) if width % n == 0]
@@ -102,7 +106,10 @@ class TransformerBlock(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.mlp = nn.Sequential(
-            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+            nn.Linear(width, 4 * width),
+            nn.GELU(approximate="tanh" if activation == "gelu_tanh" else "none"),
+            nn.Linear(4 * width, width),
+            nn.Dropout(dropout),
         )
         self.heads, self.dropout = heads, dropout
 
@@ -130,13 +137,16 @@ class GPT(nn.Module):
         heads: Size,
         width: Size,
         dropout: Dropout,
+        activation: Activation,
     ) -> None:
         super().__init__()
         self.block_size = block_size
         self.tokens = nn.Embedding(vocab_size, width)
         self.positions = nn.Embedding(block_size, width)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(TransformerBlock(width, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(width, heads, dropout, activation) for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)
         self.head.weight = self.tokens.weight

@@ -1,0 +1,73 @@
+"""hydra/sweeper=optuna_prune's settings, checked with the rest of the config before any trial
+starts: the pruner is one of core/pruners.py's, its settings within their bounds, the objective
+a validation metric each evaluation reports (in the direction the study optimises), and the
+runs evaluate during training. Pruner settings under another sweeper are refused too: it would
+run every trial to its end."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config.keys import check_call_settings
+from framework.config.validation import resolve_objective, task_directions
+from framework.core.exits import ConfigError
+from framework.core.pruners import PRUNERS, PRUNING_SWEEPER, pruner_defaults, pruner_target
+
+PRUNER_KEYS = ("pruner", *PRUNERS)
+OPTION = "hydra/sweeper=optuna_prune"
+
+
+def check_pruning(cfg: DictConfig) -> None:
+    sweeper = OmegaConf.select(cfg, "hydra.sweeper")
+    if not isinstance(sweeper, DictConfig):
+        return
+    if sweeper.get("_target_") != PRUNING_SWEEPER:
+        if set(map(str, sweeper)) & set(PRUNER_KEYS):
+            raise ConfigError(pruner_elsewhere("hydra.sweeper.pruner"))
+        return
+    name = sweeper.pruner
+    if name not in PRUNERS:
+        raise ConfigError(f"hydra.sweeper.pruner={name} is not one of {', '.join(PRUNERS)}")
+    for pruner in PRUNERS:  # (the others' too: a value set is a value judged)
+        check_call_settings(f"hydra.sweeper.{pruner}", sweeper[pruner], pruner_target(pruner))
+    if cfg.trainer.eval_every < 1:
+        raise ConfigError(
+            f"{OPTION} prunes at evaluations: set trainer.eval_every (steps between "
+            "evaluations) >= 1"
+        )
+    directions = task_directions(cfg.task)
+    if directions is None:  # (a task whose source does not say: its rank checks the objective)
+        return
+    objective, direction = resolve_objective(cfg.objective, directions)
+    if objective not in directions:
+        raise ConfigError(
+            f"objective={objective} is not reported at each evaluation, so {OPTION} cannot "
+            f"prune on it: choose one of {', '.join(directions)}"
+        )
+    wanted = "maximize" if direction == "max" else "minimize"
+    given = str(sweeper.direction).removeprefix("Direction.")
+    if given != wanted:
+        raise ConfigError(
+            f"hydra.sweeper.direction={given} but {objective} is better when "
+            f"{'higher' if direction == 'max' else 'lower'}: set "
+            f"hydra.sweeper.direction={wanted}"
+        )
+
+
+def pruner_elsewhere(key: str) -> str:
+    return (
+        f"{key} is a setting of {OPTION} (Optuna with a pruner): add {OPTION}; the basic and "
+        "optuna sweepers run every trial to its end"
+    )
+
+
+def unknown_pruner_key(key: str) -> str | None:
+    """What to say of `key` (one Hydra could not override: the node lacks it) where it is a
+    pruning sweep's: a setting no pruner takes, or one given to a sweeper without pruners."""
+    parts = key.lstrip("+~").split(".")
+    if parts[:2] != ["hydra", "sweeper"] or len(parts) < 3 or parts[2] not in PRUNER_KEYS:
+        return None
+    if len(parts) == 4 and parts[2] in PRUNERS and parts[3] not in pruner_defaults(parts[2]):
+        takes = ", ".join(pruner_defaults(parts[2]))
+        return f"{key} is not a setting of the {parts[2]} pruner: it takes {takes}"
+    return pruner_elsewhere(key.lstrip("+~"))
