@@ -28,12 +28,20 @@ def literal_folder(pattern: str) -> tuple[str, list[str]]:
 
 
 def outside_data_dirs(pattern: str, cwd: Path, environ: Mapping[str, str]) -> str | None:
-    """Why the files `pattern` (a glob or a path) names may not be read; None when they may."""
+    """Why the files `pattern` (a glob or a path) names may not be read; None when they may.
+    Below an allowed folder, a hidden file or folder is not data either: keys and tokens live
+    there (.ssh, .aws, .env, .netrc), and `train` may run in a home directory."""
     literal, rest = literal_folder(pattern)
     folder = (cwd / literal).resolve()
-    allowed = data_dirs(cwd, environ)
-    if ".." not in rest and any(folder == top or top in folder.parents for top in allowed):
-        return None
+    for top in data_dirs(cwd, environ) if ".." not in rest else ():
+        if folder == top or top in folder.parents:
+            below = [*folder.relative_to(top).parts, *rest]
+            if any(part.startswith(".") for part in below):
+                return (
+                    "names a hidden file or folder, where keys rather than data live: move the "
+                    "text out of it, or name that folder itself in $FRAMEWORK_DATA_DIRS"
+                )
+            return None
     return (
         "lies outside the working directory and the folders $FRAMEWORK_DATA_DIRS names: move "
         "the files under the project, or add their folder to $FRAMEWORK_DATA_DIRS "

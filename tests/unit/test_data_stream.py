@@ -11,6 +11,7 @@ import torch
 
 from framework.components.data import train_loader
 from framework.components.data_stream import TextStream, WindowReader, text_stream
+from framework.core.data_dirs import outside_data_dirs
 from framework.core.launch_context import DistEnv
 
 BLOCK, BATCH = 8, 3  # tokens per window; windows per rank's batch
@@ -109,6 +110,19 @@ def test_a_window_is_the_bytes_of_the_files_it_spans_one_token_per_byte(tmp_path
     for number, (inputs, targets) in enumerate(windows):
         assert torch.equal(inputs, expected[number * 4 : number * 4 + 4])
         assert torch.equal(targets, expected[number * 4 + 1 : number * 4 + 5])
+
+
+@pytest.mark.parametrize("files", [".ssh/*", ".ssh/id_rsa", "*/.aws/credentials", "texts/.*"])
+def test_hidden_files_under_the_working_directory_are_no_data(tmp_path, files):
+    """`train` run in a home directory: its .ssh, .aws, .env are under the working directory."""
+    for secret in (".ssh/id_rsa", "me/.aws/credentials", "texts/.env"):
+        (tmp_path / secret).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / secret).write_text("not for the run dir")
+    problem = outside_data_dirs(files, tmp_path, {})
+    assert problem is not None and problem.startswith("names a hidden file or folder")
+    assert outside_data_dirs("texts/*", tmp_path, {}) is None
+    hidden_corpus = {"FRAMEWORK_DATA_DIRS": str(tmp_path / ".ssh")}  # named by the environment
+    assert outside_data_dirs(str(tmp_path / ".ssh" / "*"), tmp_path / "me", hidden_corpus) is None
 
 
 def test_a_link_out_of_the_data_dirs_is_refused_when_the_files_are_matched(tmp_path, monkeypatch):
