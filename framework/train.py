@@ -39,12 +39,6 @@ from framework.app.composition import (
     wants_hydras_traceback,
 )
 from framework.app.config_search_path import check_config_folders
-from framework.app.help import (
-    check_shown_package,
-    help_text,
-    job_config_text,
-    prints_the_job_config,
-)
 from framework.app.job_values import check_resolves
 from framework.config.keys import check_keys
 from framework.config.redaction import remember_secrets
@@ -154,6 +148,7 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
         check_resolves(cfg)  # (shown or run: a value that cannot resolve is no config)
     # Loaded once the keys passed: a misspelt key, the commonest mistake, is refused without
     # loading the rules between keys and the check of Hydra's node (docs/benchmarks.md).
+    from framework.app.help import check_shown_package, prints_the_job_config
     from framework.app.hydra_node import check_hydra_node
     from framework.app.pruning_settings import check_pruning
     from framework.config.validation import check_rules
@@ -184,6 +179,12 @@ def check_sweep_job(cfg: DictConfig, overrides: list[str]) -> None:
 
 def _answer(command: CommandLine, hydra: Hydra, composition: Composition | None) -> str | None:
     """What the command prints instead of running: --help, --cfg job, mode=estimate."""
+    from framework.app.help import (
+        help_text,
+        job_config_text,
+        prints_the_job_config,
+    )  # (as in check)
+
     args = command.args
     if composition is None or args.cfg and not prints_the_job_config(args):
         return None  # Hydra's to answer

@@ -31,11 +31,11 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.app.command_line import CommandLine, parse
-from framework.app.pruning_settings import unknown_pruner_key
 from framework.config.keys import check_keys
 from framework.config.registry import register_configs
 from framework.core.config_dir import APP_FILE, CONF_DIR
 from framework.core.exits import ConfigError, first_line
+from framework.core.pruners import unknown_pruner_key
 
 # What composing raises for a config mistake: Hydra's, a file that is not YAML, and OmegaConf's
 # (a missing key, a wrong type).

@@ -11,10 +11,14 @@ from omegaconf import DictConfig, OmegaConf
 from framework.config.keys import check_call_settings
 from framework.config.validation import resolve_objective, task_directions
 from framework.core.exits import ConfigError
-from framework.core.pruners import PRUNERS, PRUNING_SWEEPER, pruner_defaults, pruner_target
-
-PRUNER_KEYS = ("pruner", *PRUNERS)
-OPTION = "hydra/sweeper=optuna_prune"
+from framework.core.pruners import (
+    OPTION,
+    PRUNER_KEYS,
+    PRUNERS,
+    PRUNING_SWEEPER,
+    pruner_elsewhere,
+    pruner_target,
+)
 
 
 def check_pruning(cfg: DictConfig) -> None:
@@ -52,22 +56,3 @@ def check_pruning(cfg: DictConfig) -> None:
             f"{'higher' if direction == 'max' else 'lower'}: set "
             f"hydra.sweeper.direction={wanted}"
         )
-
-
-def pruner_elsewhere(key: str) -> str:
-    return (
-        f"{key} is a setting of {OPTION} (Optuna with a pruner): add {OPTION}; the basic and "
-        "optuna sweepers run every trial to its end"
-    )
-
-
-def unknown_pruner_key(key: str) -> str | None:
-    """What to say of `key` (one Hydra could not override: the node lacks it) where it is a
-    pruning sweep's: a setting no pruner takes, or one given to a sweeper without pruners."""
-    parts = key.lstrip("+~").split(".")
-    if parts[:2] != ["hydra", "sweeper"] or len(parts) < 3 or parts[2] not in PRUNER_KEYS:
-        return None
-    if len(parts) == 4 and parts[2] in PRUNERS and parts[3] not in pruner_defaults(parts[2]):
-        takes = ", ".join(pruner_defaults(parts[2]))
-        return f"{key} is not a setting of the {parts[2]} pruner: it takes {takes}"
-    return pruner_elsewhere(key.lstrip("+~"))

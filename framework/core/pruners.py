@@ -76,6 +76,8 @@ def hyperband(
 
 
 PRUNERS = {"median": median, "asha": asha, "hyperband": hyperband}
+PRUNER_KEYS = ("pruner", *PRUNERS)  # hydra.sweeper.<key> that only a pruning sweep takes
+OPTION = "hydra/sweeper=optuna_prune"
 
 
 def pruner_target(name: str) -> str:
@@ -113,3 +115,23 @@ def sweep_trial(environ: Mapping[str, str] = os.environ) -> tuple[int, Path] | N
         return None
     job, study = value.split(":", 1)
     return (int(job), Path(study)) if job.isdigit() else None
+
+
+# --- the command line's words for them (a refused key names what takes it) ----------------------
+def pruner_elsewhere(key: str) -> str:
+    return (
+        f"{key} is a setting of {OPTION} (Optuna with a pruner): add {OPTION}; the basic and "
+        "optuna sweepers run every trial to its end"
+    )
+
+
+def unknown_pruner_key(key: str) -> str | None:
+    """What to say of `key` (one Hydra could not override: the node lacks it) where it is a
+    pruning sweep's: a setting no pruner takes, or one given to a sweeper without pruners."""
+    parts = key.lstrip("+~").split(".")
+    if parts[:2] != ["hydra", "sweeper"] or len(parts) < 3 or parts[2] not in PRUNER_KEYS:
+        return None
+    if len(parts) == 4 and parts[2] in PRUNERS and parts[3] not in pruner_defaults(parts[2]):
+        takes = ", ".join(pruner_defaults(parts[2]))
+        return f"{key} is not a setting of the {parts[2]} pruner: it takes {takes}"
+    return pruner_elsewhere(key.lstrip("+~"))
