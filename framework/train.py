@@ -39,7 +39,6 @@ from framework.app.composition import (
     wants_hydras_traceback,
 )
 from framework.app.config_search_path import check_config_folders
-from framework.app.job_values import check_resolves
 from framework.config.keys import check_keys
 from framework.config.redaction import remember_secrets
 from framework.core import launch_context, startup_clock
@@ -55,7 +54,6 @@ from framework.core.secrets import (
     scrubbed_console,
 )
 from framework.launch import forkserver
-from framework.storage.files import throwaway_dir
 
 APP_NAME = "train"  # hydra.job.name
 
@@ -124,6 +122,8 @@ def _follower_overrides(here: launch_context.LaunchContext) -> list[str]:
     throwaway dir, and no record of the job is written."""
     if not (here.is_follower and isinstance(here, launch_context.TorchElastic)):
         return []
+    from framework.storage.files import throwaway_dir  # (a follower's alone)
+
     return [f"hydra.run.dir={throwaway_dir()}", "hydra.callbacks.run_dir.output_subdir=null"]
 
 
@@ -145,6 +145,8 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
     shows = args.cfg or args.help or args.info or args.shell_completion or args.hydra_help
     if not args.hydra_help:  # (Hydra's help composes Hydra's config alone: its node is all)
         check_keys(cfg, bounds=not shows)  # (a value out of bounds is shown as it is)
+        from framework.app.job_values import check_resolves  # (as the rules below)
+
         check_resolves(cfg)  # (shown or run: a value that cannot resolve is no config)
     # Loaded once the keys passed: a misspelt key, the commonest mistake, is refused without
     # loading the rules between keys and the check of Hydra's node (docs/benchmarks.md).
@@ -170,6 +172,7 @@ def check_sweep_job(cfg: DictConfig, overrides: list[str]) -> None:
     types, bounds and targets, and its Hydra node. The facts between values fail the job
     alone, in it."""
     from framework.app.hydra_node import check_hydra_node  # (as in check)
+    from framework.app.job_values import check_resolves
 
     remember_secrets(cfg)
     check_keys(cfg)
