@@ -20,18 +20,10 @@ import pytest
 
 from framework.core.pruners import STUDY_FILE, storage_url
 from tests.conftest import DIST_ENV_VARS, FAULTS, read_metrics
+from tests.conftest import TINY as TINY_DATA
 from tests.faults import FAULT_ENV
 
-TINY = (
-    "model=mlp",
-    "data=synthetic",
-    "data.in_channels=1",
-    "data.image_size=8",
-    "data.train_size=256",
-    "data.val_size=101",
-    "trainer.log_every=1",
-    "trainer.eval_every=2",
-)
+TINY = ("model=mlp", *TINY_DATA, "trainer.eval_every=2")
 PRUNING = (
     "-m",
     "hydra/sweeper=optuna_prune",
@@ -57,7 +49,7 @@ def summary_rows(sweep: Path) -> dict[str, dict]:
 @pytest.mark.distributed
 def test_pruned_trials_stop_on_every_rank_at_one_step_and_are_marked_pruned(cli, tmp_path):
     sweep = tmp_path / "sweep"
-    result = cli(
+    command = (
         *PRUNING,
         "hydra.sweeper.n_trials=3",
         "hydra.sweeper.pruner=median",
@@ -66,8 +58,8 @@ def test_pruned_trials_stop_on_every_rank_at_one_step_and_are_marked_pruned(cli,
         "trainer.max_steps=8",
         *TINY,
         f"hydra.sweep.dir={sweep}",
-        cwd=tmp_path,
     )
+    result = cli(*command, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     trials = study_trials(sweep)
     states = [trial.state.name for trial in trials]
@@ -99,17 +91,7 @@ def test_pruned_trials_stop_on_every_rank_at_one_step_and_are_marked_pruned(cli,
     assert "pruned" in (sweep / "summary.md").read_text()
 
     # The same command again: every trial has ended, none runs again.
-    again = cli(
-        *PRUNING,
-        "hydra.sweeper.n_trials=3",
-        "hydra.sweeper.pruner=median",
-        "hydra.sweeper.median.n_startup_trials=1",
-        "optimizer.lr=tag(log,interval(0.00001,1.0))",
-        "trainer.max_steps=8",
-        *TINY,
-        f"hydra.sweep.dir={sweep}",
-        cwd=tmp_path,
-    )
+    again = cli(*command, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Launching" not in again.stderr and "world_size=" not in again.stderr
     assert [t.state.name for t in study_trials(sweep)] == states
