@@ -38,7 +38,6 @@ from framework.app.composition import (
     search_path,
     wants_hydras_traceback,
 )
-from framework.app.config_search_path import check_config_folders
 from framework.config.keys import check_keys
 from framework.config.redaction import remember_secrets
 from framework.core import launch_context, startup_clock
@@ -151,7 +150,7 @@ def check(composition: Composition, command: CommandLine, loader: OnceLoader) ->
     # Loaded once the keys passed: a misspelt key, the commonest mistake, is refused without
     # loading the rules between keys and the check of Hydra's node (docs/benchmarks.md).
     from framework.app.help import check_shown_package, prints_the_job_config
-    from framework.app.hydra_node import check_hydra_node
+    from framework.app.hydra_node import check_config_folders, check_hydra_node
     from framework.app.pruning_settings import check_pruning
     from framework.config.validation import check_rules
 

@@ -1,15 +1,20 @@
 """The check of Hydra's node, on every composition before Hydra uses it: what it calls is
 allowed, and every key that differs from the node the framework ships (app/shipped_node.py) is
-on the positive list (app/hydra_settings.py), with a value its rule allows once resolved."""
+on the positive list (app/hydra_settings.py), with a value its rule allows once resolved. Before
+a run or a sweep starts, the config folders its search path names exist and hide nothing."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from hydra._internal.sources_registry import SourcesRegistry
+from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.plugins.config_source import ConfigSource
 from omegaconf import DictConfig, OmegaConf
 
+from framework.app.config_search_path import PROJECT_PROVIDER, USER_PROVIDER
 from framework.app.hydra_settings import (
     CODE_NODES,
     HYDRA_WRITES,
@@ -110,3 +115,39 @@ def _changed(real: dict[str, Any], reference: dict[str, Any]) -> list[str]:
         for path in ours.keys() | shipped.keys()
         if ours.get(path, _ABSENT) != shipped.get(path, _ABSENT)
     )
+
+
+def check_config_folders(config: DictConfig) -> None:
+    """Every folder on the config search path exists: Hydra skips a missing one silently, and
+    the options the user meant to add would then be 'not found' with no hint why. No option of
+    the user's own folders is hidden by a shipped option of the same name, which Hydra would
+    pick instead, silently."""
+    sources = {}
+    for source in config.hydra.runtime.config_sources:
+        kind = SourcesRegistry.instance().resolve(source.schema)
+        sources[source.provider] = found = kind(source.provider, f"{source.schema}://{source.path}")
+        if not found.available():
+            where = (
+                "FRAMEWORK_CONFIG_PATH" if source.provider == USER_PROVIDER else "hydra.searchpath"
+            )
+            raise ConfigError(
+                f"{where}: {source.schema}://{source.path} is not a folder of config files (it "
+                "does not exist, or the package does not import): give file:///absolute/path "
+                "or pkg://importable.package.folder"
+            )
+        if source.provider in (PROJECT_PROVIDER, USER_PROVIDER) and "main" in sources:
+            check_not_hidden(found, sources["main"])
+
+
+def check_not_hidden(user: ConfigSource, shipped: ConfigSource) -> None:
+    for group in user.list("", ObjectType.GROUP):
+        if not shipped.is_group(group):
+            continue
+        for option in set(user.list(group, ObjectType.CONFIG)) & set(
+            shipped.list(group, ObjectType.CONFIG)
+        ):
+            name = option.removesuffix(".yaml")
+            raise ConfigError(
+                f"{user.full_path()}/{group}/{name}.yaml is hidden: {group}={name} picks the "
+                "shipped option of that name; rename yours"
+            )

@@ -6,7 +6,7 @@ normal multi-rank run, any launcher), and tells the study how it ended: its obje
 (the job's summary says so: framework/rank/pruning.py stopped it), or failed. While the trial
 runs, its rank 0 reports each evaluation to the same study and its pruner decides.
 
-The study is an SQLite file the framework names in the sweep dir (core/pruners.py). Run again
+The study is an SQLite file the framework names in the sweep dir (core/sweep_study.py). Run again
 with the same hydra.sweep.dir, the sweep goes on: trials that ended (completed, pruned or
 failed) are not run again, a trial cut off mid-run runs again as the same job, which resumes
 from its checkpoint, and new trials are asked until there are hydra.sweeper.n_trials."""
@@ -28,11 +28,11 @@ from hydra_plugins.hydra_optuna_sweeper._impl import (
 )
 from omegaconf import DictConfig, OmegaConf
 
-from framework.core.pruners import (
+from framework.core.pruners import build_pruner
+from framework.core.sweep_study import (
     JOB_ATTR,
     OVERRIDES_ATTR,
     PRUNER_ATTR,
-    build_pruner,
     storage_url,
     study_path,
 )

@@ -14,7 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.config.redaction import redact_multirun_master, write_hydra_record
+from framework.app.hydra_records import redact_multirun_master, write_hydra_record
 from framework.config.validation import joins_other_node, require, spans_nodes
 from framework.core import launch_context
 from framework.core.exits import ConfigError, end

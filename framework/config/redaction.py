@@ -4,19 +4,18 @@ Values at secret-looking config keys and of secret-looking environment variables
 REDACTED in everything we write; secrets typed on the command line are moved into environment
 variables before Hydra sees them (framework/app/command_line.py), so Hydra's own records only
 ever hold `${oc.env:...}`. Hydra writes its own record of a job before any callback could redact it,
-so the app runs with hydra.output_subdir=null and `write_hydra_record` writes it instead.
+so the app runs with hydra.output_subdir=null and writes it itself (app/hydra_records.py).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, SCMode, open_dict, read_write
+from omegaconf import DictConfig, ListConfig, OmegaConf, SCMode
 
-from framework.core.allowlist import iter_leaves, matches_prefix
+from framework.core.allowlist import iter_leaves
 from framework.core.secrets import (
     REDACTED,
     SecretFilter,
@@ -69,59 +68,3 @@ def plain(cfg: DictConfig | ListConfig, resolve: bool = True) -> Any:
 def redacted_container(cfg: DictConfig) -> dict:
     """The resolved config as a plain dict with secrets redacted: for config.yaml and W&B."""
     return redact(plain(cfg), remember_secrets(cfg))
-
-
-# --- Hydra's records ------------------------------------------------------------------------
-def write_hydra_record(config: DictConfig, folder: Path) -> None:
-    """Hydra's config.yaml / hydra.yaml / overrides.yaml, redacted and unresolved as Hydra
-    writes them. Hydra writes its own copy before any callback could redact it, so ours runs
-    with hydra.output_subdir=null and this writes the record instead (from on_job_start)."""
-    secrets = remember_secrets(config)
-    task = {key: value for key, value in plain(config, resolve=False).items() if key != "hydra"}
-    files = {
-        "config.yaml": task,
-        "hydra.yaml": {"hydra": plain(config.hydra, resolve=False)},
-        "overrides.yaml": plain(config.hydra.overrides.task, resolve=False),
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, content in files.items():
-        text = OmegaConf.to_yaml(OmegaConf.create(redact(content, secrets)))
-        (folder / name).write_text(text)
-
-
-# In a multirun, these parts of the master config are never read again: every job re-composes
-# its own config from the overrides, and the sweeper took its parameters when Hydra built it,
-# before our callback runs. The rest of Hydra's node (overrides, launcher, sweep dir) is read
-# again, so it is left as it is; secrets typed as overrides are already hidden there.
-MULTIRUN_MASTER_REDACTED = ("hydra.job.env_set",)
-
-
-def redact_multirun_master(cfg: DictConfig) -> None:
-    """Redact the multirun master config in place, before the sweeper saves it as
-    multirun.yaml (and a submitit launcher pickles it)."""
-    secrets = secret_values(cfg, os.environ)
-    for path, value in iter_leaves(plain(cfg, resolve=False)):
-        if matches_prefix(path, ["hydra"]) and not matches_prefix(path, MULTIRUN_MASTER_REDACTED):
-            continue
-        clean = redact(value, secrets, is_secret_name(path))
-        if clean == value:
-            continue
-        with read_write(cfg), open_dict(cfg), read_write(cfg.get("hydra") or cfg):
-            try:
-                OmegaConf.update(cfg, path, clean, merge=False)
-            except Exception:  # noqa: BLE001 (a typed number node cannot hold REDACTED)
-                continue
-    _redact_sweeper_params(cfg, secrets)
-
-
-def _redact_sweeper_params(cfg: DictConfig, secrets: set[str]) -> None:
-    """hydra.sweeper.params (`+data.api_token: a,b`): its keys hold dots, so each is redacted
-    in its own node."""
-    params = OmegaConf.select(cfg, "hydra.sweeper.params")
-    if not isinstance(params, DictConfig):
-        return
-    for key, value in plain(params, resolve=False).items():
-        clean = redact(value, secrets, is_secret_name(str(key)))
-        if clean != value:
-            with read_write(params), open_dict(params):
-                params[key] = clean

@@ -1,29 +1,18 @@
-"""What a pruning sweep (hydra/sweeper=optuna_prune) shares between its sweeper and its trials:
-the pruners it may use, each a function whose signature declares its settings' defaults and
-bounds (config/keys.py reads them at composition), where the sweep's study lives, and how a
-trial's rank 0 learns which trial of that study it is.
-
-The study is an Optuna SQLite file the framework names, in the sweep dir: no config names its
-path. The job that starts a trial's ranks (launch/job.py) says which trial they run through
-SWEEP_TRIAL, which every start path hands its ranks with the rest of its environment.
+"""The pruners a pruning sweep (hydra/sweeper=optuna_prune) may use, each a function whose
+signature declares its settings' defaults and bounds (config/keys.py reads them at composition),
+and the command line's words for their keys. Where the sweep's study lives and how a trial's
+ranks learn which trial they run: core/sweep_study.py.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any
 
 from annotated_types import Ge
 
 PRUNING_SWEEPER = "hydra_plugins.framework_launchers.pruning_sweeper.PruningSweeper"
-STUDY_FILE = "optuna_study.db"  # in the sweep dir
-SWEEP_TRIAL = "FRAMEWORK_SWEEP_TRIAL"  # "<job number>:<study file>", in a trial's ranks
-JOB_ATTR = "job"  # a trial's user attribute: the Hydra job number that runs it
-OVERRIDES_ATTR = "overrides"  # a trial's user attribute: its job's overrides, as launched
-PRUNER_ATTR = "pruner"  # the study's user attribute: {"name": ..., "settings": {...}}
 
 
 # --- the pruners: optuna's, by name (hydra.sweeper.pruner) -----------------------------------
@@ -92,29 +81,6 @@ def pruner_defaults(name: str) -> dict[str, Any]:
 
 def build_pruner(name: str, settings: Mapping[str, Any]) -> Any:
     return PRUNERS[name](**dict(settings))
-
-
-# --- the study and a trial's place in it -----------------------------------------------------
-def study_path(sweep_dir: Path) -> Path:
-    return Path(sweep_dir).resolve() / STUDY_FILE
-
-
-def storage_url(study: Path) -> str:
-    return f"sqlite:///{study}"
-
-
-def trial_environment(job: int, study: Path) -> str:
-    return f"{job}:{study}"
-
-
-def sweep_trial(environ: Mapping[str, str] = os.environ) -> tuple[int, Path] | None:
-    """(job number, study file) of the pruning sweep's trial this process runs; None outside
-    one."""
-    value = environ.get(SWEEP_TRIAL)
-    if not value or ":" not in value:
-        return None
-    job, study = value.split(":", 1)
-    return (int(job), Path(study)) if job.isdigit() else None
 
 
 # --- the command line's words for them (a refused key names what takes it) ----------------------

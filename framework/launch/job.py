@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from framework.config.validation import joins_other_node, validate
 from framework.core import launch_context, startup_clock
 from framework.core.exits import JobFailed, NonFiniteLoss, Rejected, Stopped, WorkerFailed, end
-from framework.core.pruners import PRUNING_SWEEPER, SWEEP_TRIAL, study_path, trial_environment
+from framework.core.pruners import PRUNING_SWEEPER
+from framework.core.sweep_study import SWEEP_TRIAL, study_path, trial_environment
 from framework.launch.start import Start, adopts_rank_zero_config, how_ranks_start, start
 from framework.storage.files import is_throwaway
 from framework.storage.run_dir import RunDir

@@ -3,7 +3,7 @@ reports the objective to the sweep's study and asks its pruner whether the trial
 answer is broadcast, so every rank stops at the same step (model_selection.py ends the run there
 as early stopping does: a final checkpoint, the metrics so far, the summary marked pruned).
 
-Rank 0 learns which trial it runs from its job (core/pruners.py: sweep_trial); the pruner is
+Rank 0 learns which trial it runs from its job (core/sweep_study.py: sweep_trial); the pruner is
 rebuilt from the settings the sweeper stored in the study, Optuna's own."""
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from typing import Any
 
 from framework.core.distributed import broadcast_object
 from framework.core.launch_context import DistEnv
-from framework.core.pruners import (
-    JOB_ATTR,
-    PRUNER_ATTR,
-    build_pruner,
-    storage_url,
-    sweep_trial,
-)
+from framework.core.pruners import build_pruner
+from framework.core.sweep_study import JOB_ATTR, PRUNER_ATTR, storage_url, sweep_trial
 
 log = logging.getLogger("framework")
 

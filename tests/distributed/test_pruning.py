@@ -11,12 +11,12 @@ import optuna
 import pytest
 
 from framework.core.launch_context import DistEnv
-from framework.core.pruners import (
+from framework.core.pruners import build_pruner
+from framework.core.sweep_study import (
     JOB_ATTR,
     PRUNER_ATTR,
     STUDY_FILE,
     SWEEP_TRIAL,
-    build_pruner,
     storage_url,
     trial_environment,
 )

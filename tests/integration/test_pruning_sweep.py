@@ -18,7 +18,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from framework.core.pruners import STUDY_FILE, storage_url
+from framework.core.sweep_study import STUDY_FILE, storage_url
 from tests.conftest import DIST_ENV_VARS, FAULTS, read_metrics
 from tests.conftest import TINY as TINY_DATA
 from tests.faults import FAULT_ENV

@@ -7,7 +7,8 @@ import optuna
 import pytest
 from omegaconf import OmegaConf
 
-from framework.core.pruners import build_pruner, pruner_defaults, sweep_trial, trial_environment
+from framework.core.pruners import build_pruner, pruner_defaults
+from framework.core.sweep_study import sweep_trial, trial_environment
 
 
 @pytest.mark.parametrize(

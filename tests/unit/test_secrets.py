@@ -12,11 +12,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from framework.app.command_line import hide_secrets
+from framework.app.hydra_records import redact_multirun_master
 from framework.config import CONF_DIR
-from framework.config.redaction import (
-    redact_multirun_master,
-    redacted_container,
-)
+from framework.config.redaction import redacted_container
 from framework.config.registry import register_configs
 from framework.core.exits import ConfigError, outcome_of
 from framework.core.secrets import (

@@ -14,15 +14,14 @@ from omegaconf import OmegaConf
 
 from framework.app.command_line import hide_secrets, read_command_line
 from framework.app.hydra_node import hydra_target_problem
+from framework.app.hydra_records import redact_multirun_master, write_hydra_record
 from framework.config.redaction import (
     REDACTED,
     SecretFilter,
     is_secret_name,
     redact,
-    redact_multirun_master,
     redacted_container,
     secret_values,
-    write_hydra_record,
 )
 from framework.config.registry import register_configs, shipped_targets
 from framework.config.validation import validate
