@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import front_door
 from framework.core.exits import ExitCode
 from tests.conftest import DIST_ENV_VARS, torch_refused
 
@@ -405,3 +406,11 @@ def test_the_collector_paused_for_the_checks_is_on_for_the_run(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "collector on: True"
+
+
+def test_a_refused_key_typo_loads_at_most_4500_lines_of_the_framework_and_composes_once(tmp_path):
+    """The front door's budget (python -m benchmarks front_door counts the same way): what a
+    typo loads grows with every check placed before the keys' walk instead of after it."""
+    counts = front_door.measured("refused key typo", ["optimizer.lrr=0.1"], tmp_path)
+    assert counts["lines"] <= 4500, counts
+    assert counts["compositions"] == 1, counts
