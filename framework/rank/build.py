@@ -315,13 +315,15 @@ def settings_refused(path: str, node: DictConfig) -> Iterator[None]:
     caught it before start-up: one line naming the option, what it was given, the error and
     the line of code that raised it (every rank raises alike; nothing was trained, so the run
     dir goes). The trial (rank/preflight.py) meets it before any rank starts; a rank, where
-    only its device differs."""
+    only its device differs. A ConfigError of the component's own is its line as it is."""
     try:
         yield
     except ConfigError:
         raise
     except Exception as error:
         cause = error.__cause__ if isinstance(error, InstantiationException) else error
+        if isinstance(cause, ConfigError):
+            raise cause from None
         # Out of memory, a peer lost, a timeout: each has its own exit (core/exits.py).
         if not isinstance(cause, SETTINGS_ERRORS) or outcome_of(cause).code is not ExitCode.FAILED:
             raise

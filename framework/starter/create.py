@@ -72,13 +72,24 @@ def check_target(folder: Path) -> tuple[Path, str]:
         )
     if importlib.util.find_spec(package) is not None:
         raise Refused(f"{package} is already an importable module here: pick another name")
-    shipped = sorted(path.parent.name for path in CONF_DIR.glob(f"*/{package}.yaml"))
-    if shipped:
+    if shipped := shipped_names(package):
         raise Refused(
-            f"{package} is a shipped option ({', '.join(f'{g}={package}' for g in shipped)}), "
+            f"{package} names the project's options as shipped ones ({', '.join(shipped)}), "
             "which would hide the project's own: pick another name"
         )
     return target, package
+
+
+def shipped_names(package: str) -> list[str]:
+    """The project's options (the skeleton's conf/, named after `package`) that a shipped option
+    has the name of: `group=name` each."""
+    options = (
+        path.relative_to(SKELETON / "conf").with_suffix("").as_posix().replace(PLACEHOLDER, package)
+        for path in (SKELETON / "conf").rglob("*.yaml")
+    )
+    return sorted(
+        option.replace("/", "=", 1) for option in options if (CONF_DIR / f"{option}.yaml").is_file()
+    )
 
 
 def clone_root() -> Path | None:
@@ -138,8 +149,9 @@ def create(target: Path, package: str, source: str | None) -> None:
 
 def next_steps(target: Path, package: str) -> str:
     return (
-        f"created {target}: src/{package}/ (model.py, data.py, task.py), conf/ (data, model, "
-        f"task and experiment={package}), tests/\n"
+        f"created {target}: src/{package}/ (model.py, data.py, task.py, stream.py), conf/ (data, "
+        f"model, task and experiment={package}; a streamed data={package}_stream and "
+        f"experiment={package}_stream), tests/\n"
         f"  cd {target}\n"
         "  uv run pytest                       # trains 2 steps on 2 ranks\n"
         f"  uv run train experiment={package}   # the whole experiment"

@@ -16,7 +16,16 @@ import pytest
 import torch
 
 from framework.core.exits import ExitCode
-from tests.conftest import DIST_ENV_VARS, FAULTS, REPO, read_metrics, run_cli
+from tests.conftest import (
+    DIST_ENV_VARS,
+    FAULTS,
+    REPO,
+    make_cfg,
+    read_metrics,
+    run_cli,
+    train_losses,
+    train_many,
+)
 from tests.faults import FAULT_ENV, GATE_ENV, assert_same_weights, final_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -107,6 +116,80 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_same_comma
     segments = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(segments) == 2
     assert len({segment.name.rsplit("-", 1)[1] for segment in segments}) == 1
+
+
+# A char GPT on data=text_stream (tests/conf/experiment/stream_faults.yaml), reading `texts/`
+# under its working dir: 8 training files of 200 bytes, 99 windows of 16 tokens, 12 steps of
+# 2 x 4 per epoch; 20 steps stop mid-epoch 0 and cross into epoch 1.
+STREAM_FAULTS = (*FAULTS[:1], "experiment=stream_faults", "data.files=texts/*.txt")
+TEXT = "the quick brown fox jumps over a lazy dog while streams resume exactly "
+
+
+def stream_corpus(folder: Path) -> None:
+    (folder / "texts").mkdir()
+    for index in range(9):
+        (folder / "texts" / f"part{index}.txt").write_text((TEXT * 4)[index * 7 :][:200])
+
+
+@pytest.fixture(scope="module")
+def stream_reference(tmp_path_factory) -> Path:
+    """The streamed run uninterrupted, 2 ranks, no DataLoader workers."""
+    root = tmp_path_factory.mktemp("stream_reference")
+    stream_corpus(root)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        train_many([(make_cfg(*STREAM_FAULTS), root / "run")])
+    return root / "run"
+
+
+def assert_the_uninterrupted_run(run_dir: Path, reference: Path) -> None:
+    """Each step's loss once, equal to the uninterrupted run's (the same processes on the same
+    CPU: bit for bit), and its final weights."""
+    assert [e["step"] for e in read_metrics(run_dir) if "train/loss" in e] == list(range(1, 21))
+    assert train_losses(run_dir) == train_losses(reference)
+    assert_same_weights(final_weights(run_dir), final_weights(reference))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_streamed_run_stopped_by_sigterm_mid_epoch_resumes_with_its_very_next_windows(
+    cli, tmp_path, stream_reference, workers
+):
+    """The resumed run reads the stream from the stopped one's position: the same losses at
+    every step as the uninterrupted run, with or without DataLoader workers (which had read
+    ahead when the signal came)."""
+    stream_corpus(tmp_path)
+    args = (*STREAM_FAULTS, f"data.num_workers={workers}", f"hydra.run.dir={tmp_path / 'run'}")
+    stopped = run_cli(*args, cwd=tmp_path, env={FAULT_ENV: "parent-SIGTERM:0:6"})
+    assert stopped.returncode == STOPPED, stopped.stderr[-3000:]
+    assert "stopped on SIGTERM at step 7" in stopped.stderr
+    run_dir = tmp_path / "run"
+    saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["step"] == 7 and saved["trainer"]["samples_in_epoch"] == 7 * 8  # mid-epoch
+    resumed = cli(*args, cwd=tmp_path, env={FAULT_ENV: None})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 7" in resumed.stderr
+    assert_the_uninterrupted_run(run_dir, stream_reference)
+
+
+def test_a_streamed_run_whose_rank_is_sigkilled_restarts_under_torchrun_from_its_position(
+    tmp_path, stream_reference
+):
+    """Rank 1 killed at step 11 (mid-epoch 0), its 2 DataLoader workers with it: torchrun
+    restarts both ranks, which go on from the step 8 checkpoint's stream position and end as
+    the uninterrupted run (without workers: the SIGTERM test's resume, from the same rule)."""
+    stream_corpus(tmp_path)
+    run_dir = tmp_path / "run"
+    result = torchrun_script(
+        *STREAM_FAULTS,
+        "data.num_workers=2",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        fault="kill:1:11",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in result.stderr and "step_00000008.pt" in result.stderr
+    assert_the_uninterrupted_run(run_dir, stream_reference)
+    assert not processes_mentioning(str(tmp_path))
 
 
 def test_a_signal_to_torchrun_reaches_the_ranks_which_save_and_leave_no_process_behind(tmp_path):

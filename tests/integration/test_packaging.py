@@ -122,7 +122,8 @@ def test_framework_new_from_the_wheel_depends_on_that_wheel(installed, tmp_path)
 def test_a_new_project_passes_its_own_test(tmp_path):
     """`framework-new` outside the clone, then `uv run pytest` in the new folder: uv makes the
     project's venv (the framework built from this checkout as a path dependency) and the
-    project's test trains 2 steps on 2 ranks and refuses a misspelt key of its own."""
+    project's tests train 2 steps on 2 ranks (its own data, and its own streamed data through
+    its own transform and collate) and refuse a misspelt key of its own."""
     if UV is None:
         pytest.skip("uv is not on PATH")
     assert not tmp_path.is_relative_to(REPO)
@@ -138,7 +139,7 @@ def test_a_new_project_passes_its_own_test(tmp_path):
     test = ["run", "pytest", "-q", "-p", "no:cacheprovider"]
     result = run(UV, *test, cwd=project, timeout=900, UV_CONSTRAINT=str(pins))
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert "2 passed" in result.stdout
+    assert "3 passed" in result.stdout
 
 
 def test_a_project_on_a_clone_of_the_framework_runs_its_next_commit_without_a_reinstall(tmp_path):

@@ -3,6 +3,8 @@ library, and data.files refused outside the folders it may read (docs/data.md)."
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import read_metrics
@@ -72,3 +74,41 @@ def test_persistent_workers_on_a_stream_is_one_line_and_no_run_dir(cli, tmp_path
         "position: set data.persistent_workers=false"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+JSONL_MISTAKES = {  # a .jsonl file's second line -> what the one line says
+    '{"text": "cut"': "texts/b.jsonl line 2 is not JSON (Expecting ',' delimiter at column",
+    '{"title": "a"}': "texts/b.jsonl line 2 has no field 'text' (data.text_field=text)",
+    '{"text": 7}': "texts/b.jsonl line 2: its field 'text' (data.text_field=text) is 7, not a",
+}
+PARQUET_MISTAKES = {  # a .parquet file's columns -> what the one line says
+    "title": "texts/b.parquet has no column 'text' (data.text_field=text): its columns are title",
+    "text": "texts/b.parquet: its column 'text' (data.text_field=text) holds int64, not strings",
+}
+
+
+@pytest.mark.parametrize("mistake", [*JSONL_MISTAKES, *PARQUET_MISTAKES])
+def test_a_jsonl_or_parquet_file_without_its_text_is_one_line_naming_it_and_no_run_dir(
+    cli, tmp_path, mistake
+):
+    """Found when the files are read through for their index, by the trial before any rank
+    starts: the file, the line or column, and data.text_field."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("some text to stream " * 20)
+    if mistake in JSONL_MISTAKES:
+        (tmp_path / "texts" / "b.jsonl").write_text(f'{{"text": "fine"}}\n{mistake}\n')
+        said = JSONL_MISTAKES[mistake]
+    else:
+        pq.write_table(pa.table({mistake: [1, 2, 3]}), tmp_path / "texts" / "b.parquet")
+        said = PARQUET_MISTAKES[mistake]
+    result = cli(
+        "experiment=char_gpt",
+        "data=text_stream",
+        "data.files=texts/*",
+        "data.val_files=1",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: data.files: {said}"), line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["texts"]  # no run dir

@@ -3,15 +3,21 @@ each read once per epoch, in the same order for any num_workers, resumed at a gl
 
 from __future__ import annotations
 
+import json
 import random
+import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
+from framework.components import data_stream
 from framework.components.data import train_loader
-from framework.components.data_stream import TextStream, WindowReader, text_stream
+from framework.components.data_stream import TextStream, WindowReader, file_text, text_stream
 from framework.core.data_dirs import outside_data_dirs
+from framework.core.exits import ConfigError
 from framework.core.launch_context import DistEnv
 
 BLOCK, BATCH = 8, 3  # tokens per window; windows per rank's batch
@@ -100,7 +106,7 @@ def test_a_window_is_the_bytes_of_the_files_it_spans_one_token_per_byte(tmp_path
     (tmp_path / "a.txt").write_bytes(b"abcdef")
     (tmp_path / "b.txt").write_bytes("gh\u00e9ijklmnopqrstuvwxyz".encode())
     (tmp_path / "c.txt").write_bytes(b"0123456789")
-    splits = text_stream(str(tmp_path / "*.txt"), 4, stride=4, val_files=1, shuffle_buffer=2)
+    splits = text_stream(str(tmp_path / "*.txt"), 4, 4, 1, shuffle_buffer=2, text_field="text")
     stream = splits.train.for_rank(0, 1, 1, seed=0, shuffle=False)
     kept = sorted(path.name for path in stream.files)
     text = b"".join((tmp_path / name).read_bytes() for name in kept)
@@ -110,6 +116,42 @@ def test_a_window_is_the_bytes_of_the_files_it_spans_one_token_per_byte(tmp_path
     for number, (inputs, targets) in enumerate(windows):
         assert torch.equal(inputs, expected[number * 4 : number * 4 + 4])
         assert torch.equal(targets, expected[number * 4 + 1 : number * 4 + 5])
+
+
+def test_a_window_of_jsonl_and_parquet_files_is_their_texts_bytes_in_order(tmp_path, monkeypatch):
+    """A .jsonl file's text is one field of each line (blank lines skipped), a .parquet file's
+    one string column, the texts one after another as UTF-8, one token per byte. Indexed every
+    64 bytes here and written in row groups of 6 rows, so windows span chunks, row groups and
+    files, and a reader decodes chunks again after it dropped them."""
+    monkeypatch.setattr(data_stream, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(data_stream, "DECODED_CHUNKS", 2)
+    texts = [f"text {i} caf\u00e9; " * (i % 3 + 1) for i in range(40)]
+    lines = [json.dumps({"id": i, "body": text}) for i, text in enumerate(texts[:20])]
+    (tmp_path / "a.jsonl").write_text("\n".join([*lines[:5], "", *lines[5:]]) + "\n")
+    table = pa.table({"body": texts[20:], "id": list(range(20, 40))})
+    pq.write_table(table, tmp_path / "b.parquet", row_group_size=6)
+    files = [tmp_path / "a.jsonl", tmp_path / "b.parquet"]
+    stream = TextStream(files, 4, 4, 2, text_field="body").for_rank(0, 1, 1, seed=0, shuffle=False)
+    jsonl, parquet = stream.texts
+    assert len(jsonl.starts) > 10 and len(parquet.starts) == 5  # chunks; 4 row groups
+    assert jsonl.whole() == "".join(texts[:20]).encode()
+    assert parquet.whole() == "".join(texts[20:]).encode()
+    text = "".join(texts).encode()
+    expected = torch.tensor([b if b < 128 else 63 for b in text])
+    windows = list(stream)
+    assert len(windows) == len(stream) == (len(text) - 5) // 4 + 1
+    for number, (inputs, targets) in enumerate(windows):
+        assert torch.equal(inputs, expected[number * 4 : number * 4 + 4])
+        assert torch.equal(targets, expected[number * 4 + 1 : number * 4 + 5])
+
+
+def test_a_parquet_file_without_pyarrow_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    pq.write_table(pa.table({"text": ["some text"]}), tmp_path / "b.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if not installed
+    with pytest.raises(
+        ConfigError, match=r"b.parquet, and reading .* needs pyarrow.*uv add pyarrow"
+    ):
+        file_text(tmp_path / "b.parquet", "text")
 
 
 @pytest.mark.parametrize("files", [".ssh/*", ".ssh/id_rsa", "*/.aws/credentials", "texts/.*"])
@@ -138,7 +180,7 @@ def test_a_link_out_of_the_data_dirs_is_refused_when_the_files_are_matched(tmp_p
     with pytest.raises(
         ValueError, match=r"3.txt \(a link to .*secret/key\) lies outside the working directory"
     ):
-        text_stream(str(texts / "*.txt"), 4, stride=4, val_files=1, shuffle_buffer=2)
+        text_stream(str(texts / "*.txt"), 4, 4, 1, shuffle_buffer=2, text_field="text")
 
 
 class Letters(TextStream):

@@ -29,13 +29,16 @@ def test_a_new_project_is_the_skeleton_named_after_its_folder(capsys, tmp_path):
         ".gitignore",
         "README.md",
         "conf/data/sine_lab.yaml",
+        "conf/data/sine_lab_stream.yaml",
         "conf/experiment/sine_lab.yaml",
+        "conf/experiment/sine_lab_stream.yaml",
         "conf/model/sine_lab.yaml",
         "conf/task/sine_lab.yaml",
         "pyproject.toml",
         "src/sine_lab/__init__.py",
         "src/sine_lab/data.py",
         "src/sine_lab/model.py",
+        "src/sine_lab/stream.py",
         "src/sine_lab/task.py",
         "tests/test_sine_lab.py",
     ]
@@ -57,7 +60,8 @@ def test_a_new_project_is_the_skeleton_named_after_its_folder(capsys, tmp_path):
         ("1st", "does not make a Python package name"),
         ("class", "does not make a Python package name"),
         ("torch", "torch is already an importable module here"),
-        ("digits", "digits is a shipped option (data=digits)"),
+        ("digits", "digits names the project's options as shipped ones (data=digits)"),
+        ("text", "text names the project's options as shipped ones (data=text, data=text_stream)"),
     ],
 )
 def test_a_wrong_or_existing_folder_is_refused_and_nothing_is_written(
