@@ -140,6 +140,15 @@ def cap_memory_once() -> None:
     budget = os.environ.get(MEMORY_CAP_ENV)
     if not budget or _capped:
         return
+    # torch's autograd engine sets up its device threads once, at a process's first backward;
+    # in an FSDP rank on the CPU that made 8 of them, each a stack mapping of 8 MiB that
+    # RLIMIT_DATA counts though nothing touches it (64 MiB). One backward here, before the cap
+    # (in a thread of its own: the meta device's recording of the constructor is this
+    # thread's), leaves that to the runtime, as its libraries are, and the cap to what the
+    # model and its steps hold.
+    warm_up = threading.Thread(target=lambda: torch.ones(1, requires_grad=True).sum().backward())
+    warm_up.start()
+    warm_up.join()
     with open("/proc/self/status") as status:
         held_kib = next(int(line.split()[1]) for line in status if line.startswith("VmData:"))
     cap = held_kib * 1024 + int(budget) * 2**20

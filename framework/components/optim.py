@@ -95,7 +95,8 @@ def describe_groups(optimizer: torch.optim.Optimizer, module: nn.Module) -> str:
 
 
 def _count(parameters: list[torch.Tensor]) -> str:
-    return f"{sum(p.numel() for p in parameters):,} parameters in {len(parameters)} tensors"
+    tensors = "tensor" if len(parameters) == 1 else "tensors"
+    return f"{sum(p.numel() for p in parameters):,} parameters in {len(parameters)} {tensors}"
 
 
 def _names(params: nn.Module | Iterable[torch.Tensor]) -> Iterable[tuple[str, Any]]:

@@ -5,9 +5,9 @@ step_<N>.dcp folder, checked as a resume checks it); or a torch.save'd state_dic
 weights_only. A file that weights_only cannot read is refused, and nothing in it runs.
 
 What a source holds (names, shapes, dtypes) is read without reading a tensor; `read` reads the
-tensors asked for and no other (a safetensors file lazily, tensor by tensor), `read_part` one
-range of one dimension of a tensor (a safetensors file reads only those bytes: a rank of a
-sharded model reads its own rows)."""
+tensors asked for and no other (a safetensors file tensor by tensor), `read_part` one
+range of one dimension of a tensor (a safetensors file reads only those bytes, with plain reads
+and no mapping of the file: a rank of a sharded model holds its own rows and no more)."""
 
 from __future__ import annotations
 
@@ -19,29 +19,23 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from framework.core.exits import CheckpointError
 from framework.core.path_text import text_problem
 from framework.storage import checkpoint
 from framework.storage.export import SAFETENSORS, sharded_names
+from framework.storage.safetensors_reader import (
+    DTYPES,
+    Entry,
+    NotSafetensors,
+    read_header,
+    read_rows,
+    read_tensor,
+)
 from framework.storage.sharded import ShardedState
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
-# safetensors' dtype names (its format's header) -> torch's.
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 @dataclass(frozen=True)
@@ -97,13 +91,15 @@ def _open_folder(folder: Path) -> WeightsSource:
 
 
 def _safetensors_names(path: Path) -> list[str]:
+    return list(_header(path))
+
+
+def _header(path: Path) -> dict[str, Entry]:
     try:
-        with safe_open(str(path), framework="pt") as file:
-            return list(file.keys())
-    except (SafetensorError, OSError) as error:
+        return read_header(path)
+    except (NotSafetensors, OSError) as error:
         raise CheckpointError(
-            f"init.path: {path} is no safetensors file ({type(error).__name__}); nothing in it "
-            "was read further"
+            f"init.path: {path} is no safetensors file ({error}); nothing in it was read further"
         ) from None
 
 
@@ -136,14 +132,17 @@ def _index_map(index: Path) -> dict[str, str]:
 
 
 class SafetensorsFiles:
-    """One safetensors file, or the shards an index names; tensors read lazily, file by file.
-    `path`: as given (the file, or the folder)."""
+    """One safetensors file, or the shards an index names; each file's header read once, its
+    tensors read with plain reads, only the bytes asked for (safetensors_reader.py: a rank holds
+    what it read, and nothing of the file is mapped). `path`: as given (the file, or the
+    folder)."""
 
     def __init__(
         self, path: Path, folder: Path, weight_map: Mapping[str, str], index: Path | None = None
     ) -> None:
         self.path, self.folder, self.index = path, folder, index
         self.weight_map = dict(weight_map)
+        self.headers: dict[Path, dict[str, Entry]] = {}
 
     def files(self) -> list[Path]:
         shards = sorted({self.folder / name for name in self.weight_map.values()})
@@ -152,32 +151,33 @@ class SafetensorsFiles:
     def entries(self) -> dict[str, TensorInfo]:
         found: dict[str, TensorInfo] = {}
         for file, names in self._by_file(self.weight_map).items():
-            with safe_open(str(file), framework="pt") as opened:
-                present = set(opened.keys())
-                for name in names:
-                    if name not in present:
-                        raise CheckpointError(
-                            f"init.path: {self.path} names {name} in {file.name}, which does "
-                            "not hold it: the index and its files disagree"
-                        )
-                    tensor = opened.get_slice(name)
-                    found[name] = TensorInfo(tuple(tensor.get_shape()), _dtype(tensor, file))
+            for name in names:
+                entry = self._entry(file, name)
+                found[name] = TensorInfo(entry.shape, _dtype(entry, file))
         return {name: found[name] for name in self.weight_map}
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = {}
         wanted = {name: self.weight_map[name] for name in names}
         for file, group in self._by_file(wanted).items():
-            with safe_open(str(file), framework="pt") as opened:
-                for name in group:
-                    tensors[name] = opened.get_tensor(name)
+            for name in group:
+                tensors[name] = read_tensor(file, self._entry(file, name))
         return tensors
 
     def read_part(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         [(file, _)] = self._by_file({name: self.weight_map[name]}).items()
-        with safe_open(str(file), framework="pt") as opened:
-            part = opened.get_slice(name)
-            return part[start:stop] if dim == 0 else part[:, start:stop]
+        return read_rows(file, self._entry(file, name), dim, start, stop)
+
+    def _entry(self, file: Path, name: str) -> Entry:
+        if file not in self.headers:
+            self.headers[file] = _header(file)
+        entry = self.headers[file].get(name)
+        if entry is None:
+            raise CheckpointError(
+                f"init.path: {self.path} names {name} in {file.name}, which does not hold it: "
+                "the index and its files disagree"
+            )
+        return entry
 
     def _by_file(self, weight_map: Mapping[str, str]) -> dict[Path, list[str]]:
         groups: dict[Path, list[str]] = {}
@@ -191,14 +191,13 @@ class SafetensorsFiles:
         return groups
 
 
-def _dtype(tensor: Any, file: Path) -> torch.dtype:
-    name = tensor.get_dtype()
-    if name not in SAFETENSORS_DTYPES:
+def _dtype(entry: Entry, file: Path) -> torch.dtype:
+    if entry.dtype is None:
         raise CheckpointError(
-            f"init.path: {file} holds a tensor of dtype {name}, which this framework does not "
-            f"load (it loads {', '.join(SAFETENSORS_DTYPES)})"
+            f"init.path: {file} holds a tensor of dtype {entry.dtype_name}, which this framework "
+            f"does not load (it loads {', '.join(DTYPES)})"
         )
-    return SAFETENSORS_DTYPES[name]
+    return entry.dtype
 
 
 def _open_torch_file(path: Path) -> WeightsSource:

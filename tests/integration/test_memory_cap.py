@@ -10,12 +10,16 @@ blocks under 320 MiB (211)."""
 from __future__ import annotations
 
 import json
+import math
 import resource
 
 import pytest
+import torch
+from hydra.utils import instantiate
+from safetensors.torch import save_file
 
 from framework.core.exits import ExitCode
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, make_cfg, read_metrics, run_cli
 from tests.faults import MEMORY_CAP_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -79,3 +83,93 @@ def test_mode_estimate_prints_each_ranks_ledger_and_launches_nothing(tmp_path, c
     assert len(ranks) == 4
     assert "parameters 27.15 MiB, gradients 27.15 MiB, optimizer state 54.29 MiB" in ranks[0]
     assert list(tmp_path.iterdir()) == []  # no run dir, no outputs/
+
+
+# A GPT of 193 MiB of float32 tensors in 16 blocks of 12 MiB, fine-tuned by SGD without
+# momentum: a step under fsdp holds the shards' parameters and gradients (half of the model over
+# 4 ranks) and a few blocks gathered whole, which leaves the load to decide.
+FILE_RUN = (
+    *CAPPED,
+    "model.layers=16",
+    "model.width=512",
+    "optimizer=sgd",
+    "optimizer.momentum=0",
+    "data.block_size=8",
+    "data.stride=8",
+    "trainer.max_steps=1",
+    "trainer.eval_batches=1",
+)
+FILE_CAP_MIB = 176
+
+
+def test_a_file_too_large_for_one_capped_rank_fine_tunes_under_fsdp_each_rank_reading_its_rows(
+    tmp_path, cli
+):
+    """init=file under the cap: one rank cannot hold the model (ddp is refused before a rank
+    starts); each of 4 fsdp ranks reads only its own rows of the file and fine-tunes from its
+    weights: its first loss is the one an uncapped rank that read the file whole gets on the
+    same 4 samples.
+
+    The least cap each run passes under, bisected in steps of 2-4 MiB (2026-11-28, torch 2.13,
+    CPU; docs/weights.md): the fsdp run 153 MiB, 23 under the cap. Every fsdp rank reading the
+    whole file (plan.tensors(), then its rows kept: its 48 MiB of shards beside the file's 193)
+    about 245 MiB, 69 over: the test fails so, as it did before safetensors_reader.py, when
+    safe_open mapped the whole file (RLIMIT_DATA charges the mapping in full). ddp's trial, which
+    builds the model whole before any rank starts, about 202 MiB, 26 over. (Between 202 and 245
+    a ddp rank would build the model and run out of memory reading the file beside it: too
+    narrow a window to decide both legs by a margin.) 21-25 s on 2 cores shared with other
+    jobs, 15 of them the fsdp run."""
+    torch.manual_seed(7)
+    model = instantiate(make_cfg(*FILE_RUN).model)
+    tensors = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    del tensors["head.weight"], model  # tied to tokens.weight: the file holds it once
+    # Unlike any fresh model: a first loss far above a fresh one's ln(vocab) is the file's.
+    tensors["tokens.weight"] *= 10
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    assert 190 * MIB < path.stat().st_size < 200 * MIB
+    del tensors
+    from_file = (*FILE_RUN, "init=file", f"init.path={path}")
+
+    ddp = run_cli(
+        *from_file,
+        "strategy=ddp",
+        "launcher.nproc_per_node=1",
+        f"hydra.run.dir={tmp_path / 'ddp'}",
+        cwd=tmp_path,
+        env={MEMORY_CAP_ENV: str(FILE_CAP_MIB), "OMP_NUM_THREADS": "1"},
+    )
+    assert ddp.returncode == ExitCode.CONFIG_REJECTED, ddp.stderr[-3000:]
+    (line,) = ddp.stderr.strip().splitlines()
+    assert line.startswith(
+        "error: model: tests.faults.MemoryCappedGPT is too large for the cpu memory of this "
+        "machine: it asked for "
+    ), line
+    assert line.endswith("; make it smaller (its largest setting is model.width=512)"), line
+    assert not (tmp_path / "ddp").exists()
+
+    fsdp = cli(
+        *from_file,
+        "strategy=fsdp",
+        "launcher.nproc_per_node=4",
+        "data.batch_size=1",
+        f"hydra.run.dir={tmp_path / 'fsdp'}",
+        cwd=tmp_path,
+        env={MEMORY_CAP_ENV: str(FILE_CAP_MIB), "OMP_NUM_THREADS": None},
+    )
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["steps"] == 1
+    # The same 4 samples on one uncapped rank (an epoch's order does not depend on the world
+    # size), the file read whole.
+    whole = cli(
+        *from_file,
+        "launcher.nproc_per_node=1",
+        "data.batch_size=4",
+        f"hydra.run.dir={tmp_path / 'whole'}",
+        cwd=tmp_path,
+        env={MEMORY_CAP_ENV: None},
+    )
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = read_metrics(tmp_path / "fsdp")[0]["train/loss"]
+    assert first == pytest.approx(read_metrics(tmp_path / "whole")[0]["train/loss"], rel=1e-5)
+    assert first > 3 * math.log(128)

@@ -124,6 +124,13 @@ def test_parameter_groups_without_decay_on_biases_and_with_lr_multipliers(runs):
         (0.0, 1),
     ]
     assert groups[2]["initial_lr"] == pytest.approx(10 * groups[0]["initial_lr"])
+    # The start-up lines say what each group holds.
+    assert (
+        "optimizer parameters: group 0: 55,584 parameters in 3 tensors (lr=0.001, "
+        "weight_decay=0.01); group 1: 160 parameters in 3 tensors (lr=0.001, weight_decay=0); "
+        "group 2: 640 parameters in 1 tensor (lr=0.01, weight_decay=0.01); group 3: 10 "
+        "parameters in 1 tensor (lr=0.01, weight_decay=0)"
+    ) in (run_dir / "train.log").read_text()
     trace = next((run_dir / "profile").glob("*.pt.trace.json"))
     assert "traceEvents" in json.loads(trace.read_text())
 
