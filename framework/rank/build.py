@@ -290,10 +290,11 @@ def refused_if_too_large(model_cfg: DictConfig, device: torch.device) -> Iterato
         if said is None:
             raise
         amount = REQUESTED.search(said)
-        asked = f": it asked for {_gigabytes(amount)} GB at once" if amount else ""
+        asked = f": it asked for {_amount(amount)} at once" if amount else ""
         raise ConfigError(
             f"model: {model_cfg._target_} is too large for the {device.type} memory of this "
-            f"machine{asked}; make it smaller ({_largest_setting(model_cfg)})"
+            f"machine{asked}; make it smaller ({_largest_setting(model_cfg)}), or shard it over "
+            "the ranks with strategy=fsdp (built on the meta device, no rank holds it whole)"
         ) from None
 
 
@@ -403,9 +404,11 @@ def _out_of_memory(error: BaseException | None) -> str | None:
     return None
 
 
-def _gigabytes(amount: re.Match) -> str:
+def _amount(amount: re.Match) -> str:
+    """The allocator's request in GB, or in MiB below a GB (a capped rank's is often a few)."""
     scale = {"bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    return f"{float(amount.group(1)) * scale[amount.group(2).lower()] / 1e9:.1f}"
+    size = float(amount.group(1)) * scale[amount.group(2).lower()]
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 2**20:.1f} MiB"
 
 
 def _largest_setting(model_cfg: DictConfig) -> str:

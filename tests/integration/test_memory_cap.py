@@ -145,7 +145,12 @@ def test_a_file_too_large_for_one_capped_rank_fine_tunes_under_fsdp_each_rank_re
         "error: model: tests.faults.MemoryCappedGPT is too large for the cpu memory of this "
         "machine: it asked for "
     ), line
-    assert line.endswith("; make it smaller (its largest setting is model.width=512)"), line
+    assert (
+        " MiB at once; make it smaller (its largest setting is model.width=512), or shard " in line
+    )
+    assert line.endswith(
+        " over the ranks with strategy=fsdp (built on the meta device, no rank holds it whole)"
+    ), line
     assert not (tmp_path / "ddp").exists()
 
     fsdp = cli(

@@ -237,6 +237,7 @@ def test_a_model_too_large_for_memory_is_one_line_and_leaves_no_run_dir(cli, tmp
     assert errors == [
         "error: model: framework.components.models.SmallCNN is too large for the cpu memory of "
         "this machine: it asked for 360000.0 GB at once; make it smaller (its largest setting "
-        "is model.width=10000000000000)"
+        "is model.width=10000000000000), or shard it over the ranks with strategy=fsdp (built on "
+        "the meta device, no rank holds it whole)"
     ]
     assert list(tmp_path.iterdir()) == []

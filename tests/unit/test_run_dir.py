@@ -552,7 +552,8 @@ def test_an_allocation_that_fails_while_the_model_is_built_is_a_config_mistake()
     assert str(refused.value) == (
         "model: my.Model is too large for the cpu memory of this machine: it asked for "
         "4000000.0 GB at once; make it smaller (its largest setting is model.width="
-        "1000000000000000)"
+        "1000000000000000), or shard it over the ranks with strategy=fsdp (built on the meta "
+        "device, no rank holds it whole)"
     )
     with (
         pytest.raises(ValueError, match="not memory"),
