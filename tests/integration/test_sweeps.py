@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import read_metrics
+from tests.integration.test_faults import processes_mentioning
 
 pytestmark = pytest.mark.slow
 TINY_CLI = (
@@ -146,6 +147,9 @@ def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_value
         cwd=tmp_path,
         timeout=300,
     )
+    # Every rank's task has left with the sweep: rank 0's result ended the wait, and its
+    # local processes are the sweep's to end (rank 1 was still writing its result).
+    assert not processes_mentioning(str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     sweep = sweep_dir(tmp_path)
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())

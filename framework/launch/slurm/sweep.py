@@ -68,6 +68,7 @@ def submit_and_wait(launcher: Any, job_overrides: Any, initial_job_idx: int) -> 
     for num, job in enumerate(jobs, start=initial_job_idx):
         returns.append(watch.result(job, num, arguments[num - initial_job_idx][0]))
         launcher.job_ended(num, returns[-1])
+    watch.settle(jobs)
     return returns
 
 
@@ -107,6 +108,16 @@ class Watch:
                     ),
                 )
             time.sleep(POLL_S)
+
+    def settle(self, jobs: list[Any]) -> None:
+        """The local executor's tasks are processes of this machine: the sweep ends once they
+        have left, so none outlives `train` (rank 0's result comes first; the other ranks were
+        still writing theirs). A cluster's tasks are SLURM's to end."""
+        deadline = time.monotonic() + RESULT_GRACE_S
+        while not self.on_cluster and time.monotonic() < deadline:
+            if all(job.done(force_check=True) for job in jobs):
+                return
+            time.sleep(POLL_S / 10)
 
     def _as_return(
         self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
