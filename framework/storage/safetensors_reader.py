@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # safetensors' dtype names (its format's header) -> torch's.
@@ -69,19 +71,58 @@ def read_header(path: Path) -> dict[str, Entry]:
         if not 2 <= length <= min(HEADER_LIMIT, size - 8):
             raise NotSafetensors(f"a header of {length} bytes in a file of {size}")
         header = file.read(length)
+    if _nesting(header) > MAX_NESTING:
+        raise NotSafetensors(f"its header nests deeper than the format's {MAX_NESTING} levels")
     try:
-        table = json.loads(header.decode("utf-8"))
+        table = json.loads(header.decode("utf-8"), object_pairs_hook=_without_repeats)
+    except NotSafetensors:
+        raise
     except (UnicodeDecodeError, ValueError):
         raise NotSafetensors("its header is not JSON") from None
     if not isinstance(table, dict):
         raise NotSafetensors("its header is not a JSON object")
+    metadata = table.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise NotSafetensors("its __metadata__ is not an object of strings")
     start = 8 + length
-    entries = {}
-    for name, fields in table.items():
-        if name == "__metadata__":
-            continue
-        entries[name] = _entry(name, fields, start, size)
+    entries = {name: _entry(name, fields, start, size) for name, fields in table.items()}
+    _check_contiguous(entries, start, size)
     return dict(sorted(entries.items()))
+
+
+# The format's header: {name: {"dtype", "shape": [...], "data_offsets": [...]}} and
+# "__metadata__": {str: str}. Deeper nesting is refused before json builds it (a crafted
+# header could otherwise exhaust the recursion limit or the memory while being parsed).
+MAX_NESTING = 3
+STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _nesting(header: bytes) -> int:
+    """How deep the header's arrays and objects nest, strings left out."""
+    plain = np.frombuffer(STRINGS.sub(b'""', header), dtype=np.uint8)
+    opens = (plain == ord("[")) | (plain == ord("{"))
+    closes = (plain == ord("]")) | (plain == ord("}"))
+    depth = np.cumsum(opens.astype(np.int64) - closes.astype(np.int64))
+    return int(depth.max()) if len(depth) else 0
+
+
+def _without_repeats(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    table = dict(pairs)
+    if len(table) != len(pairs):
+        raise NotSafetensors("its header names a tensor twice")
+    return table
+
+
+def _check_contiguous(entries: dict[str, Entry], start: int, size: int) -> None:
+    """The tensors' bytes one after another from the header's end to the file's, as
+    safetensors writes and its own reader requires: no two tensors share a byte."""
+    at = start
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != at:
+            raise NotSafetensors(f"its entry {name!r} does not start where the one before ends")
+        at = entry.end
+    if at != size:
+        raise NotSafetensors("its tensors do not end at the file's end")
 
 
 def _entry(name: str, fields: object, start: int, size: int) -> Entry:

@@ -94,6 +94,57 @@ def test_a_file_that_is_no_safetensors_file_is_refused_in_one_line(tmp_path, con
     assert "\n" not in str(refused.value)
 
 
+F32_2 = {"dtype": "F32", "shape": [2]}  # 8 bytes
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "said"),
+    [
+        # Refused by safetensors' own reader too; read here, they would alias or skip bytes.
+        (
+            b'{"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "x": {"dtype": "F32", '
+            b'"shape": [2], "data_offsets": [8, 16]}}',
+            bytes(16),
+            "names a tensor twice",
+        ),
+        (
+            json.dumps(
+                {"x": {**F32_2, "data_offsets": [0, 8]}, "y": {**F32_2, "data_offsets": [4, 12]}}
+            ).encode(),
+            bytes(12),
+            "does not start where the one before ends",
+        ),
+        (
+            json.dumps({"x": {**F32_2, "data_offsets": [4, 12]}}).encode(),
+            bytes(12),
+            "does not start where",
+        ),
+        (
+            json.dumps({"x": {**F32_2, "data_offsets": [0, 8]}}).encode(),
+            bytes(12),
+            "do not end at the file's end",
+        ),
+        (
+            json.dumps({"__metadata__": {"format": ["pt"]}}).encode(),
+            b"",
+            "__metadata__ is not an object of strings",
+        ),
+        # Nesting json would build (and recurse into) before anything is checked.
+        (
+            b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            b"",
+            "nests deeper than the format's 3",
+        ),
+    ],
+    ids=["a name twice", "overlapping", "a gap", "bytes left over", "metadata", "deep nesting"],
+)
+def test_a_header_safetensors_itself_refuses_is_refused(tmp_path, header, data, said):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    with pytest.raises(NotSafetensors, match=said):
+        read_header(path)
+
+
 def test_a_dtype_the_framework_does_not_load_is_named_when_its_tensors_are_listed(tmp_path):
     path = tmp_path / "model.safetensors"
     header_file(path, {"weight": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}, b"ab")
