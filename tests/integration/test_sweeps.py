@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import submitit
 import yaml
 
+from framework.launch.slurm.sweep import Watch
 from tests.conftest import read_metrics
 from tests.integration.test_faults import processes_mentioning
 
@@ -193,3 +197,14 @@ def test_impossible_launches_are_refused_before_anything_is_submitted(
         assert text in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_a_local_task_still_running_after_its_result_is_stopped_before_the_sweep_returns(tmp_path):
+    """A rank hung after rank 0's result (in a collective, say) is stopped after the grace: the
+    sweep's processes never outlive `train`. A real submitit local job, sleeping."""
+    executor = submitit.AutoExecutor(folder=tmp_path, cluster="local")
+    job = executor.submit(time.sleep, 120)
+    while job.state != "RUNNING":
+        time.sleep(0.1)
+    Watch(SimpleNamespace(_EXECUTOR="local"), time.time()).settle([job], grace_s=1.0)
+    assert job.done(force_check=True)

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often the submitting process looks for a job's result
 STATE_POLL_S = 5.0  # how often it asks the scheduler about the job
 RESULT_GRACE_S = 20.0  # a job that left the queue may still show its result this late
+# submitit's local controller polls its tasks, SIGKILLs them 1 s after a SIGINT, then exits.
+CANCEL_GRACE_S = 5.0
 # SLURM job states after which no result will come (a requeued job goes back to PENDING).
 ENDED_STATES = {
     "BOOT_FAIL",
@@ -109,15 +111,18 @@ class Watch:
                 )
             time.sleep(POLL_S)
 
-    def settle(self, jobs: list[Any]) -> None:
+    def settle(self, jobs: list[Any], grace_s: float = RESULT_GRACE_S) -> None:
         """The local executor's tasks are processes of this machine: the sweep ends once they
         have left, so none outlives `train` (rank 0's result comes first; the other ranks were
-        still writing theirs). A cluster's tasks are SLURM's to end."""
-        deadline = time.monotonic() + RESULT_GRACE_S
-        while not self.on_cluster and time.monotonic() < deadline:
-            if all(job.done(force_check=True) for job in jobs):
-                return
-            time.sleep(POLL_S / 10)
+        still writing theirs). One still running `grace_s` later (a rank hung in a collective
+        after rank 0 failed) is stopped. A cluster's tasks are SLURM's to end."""
+        if self.on_cluster or _all_left(jobs, grace_s):
+            return
+        for job in jobs:
+            if not job.done(force_check=True):
+                log.warning("job %s ran on %g s after its result: stopped", job.job_id, grace_s)
+                job.cancel(check=False)  # SIGINT: its ranks stop as on Ctrl-C
+        _all_left(jobs, CANCEL_GRACE_S)
 
     def _as_return(
         self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
@@ -165,6 +170,15 @@ class Watch:
         if listing.returncode != 0 and "Invalid job id" not in listing.stderr:
             return "UNKNOWN"
         return states[0] if states else "GONE"
+
+
+def _all_left(jobs: list[Any], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while not all(job.done(force_check=True) for job in jobs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S / 10)
+    return True
 
 
 def _executor(launcher: Any) -> Any:
