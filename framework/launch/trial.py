@@ -10,7 +10,7 @@ from multiprocessing.connection import Connection
 
 from omegaconf import DictConfig
 
-from framework.core.exits import ConfigError, WorkerFailed
+from framework.core.exits import Rejected, WorkerFailed
 from framework.launch import forked, forkserver
 
 
@@ -38,7 +38,7 @@ def try_in_a_fork(cfg: DictConfig, world_size: int) -> None:
         refusal = None
     trial.join()
     if refusal is not None:
-        raise ConfigError(refusal)
+        raise refusal
     if trial.exitcode != 0:  # a fault, not the config: its traceback is above
         raise WorkerFailed(f"the trial of the run's parts ended with exit code {trial.exitcode}")
 
@@ -54,7 +54,7 @@ def _trial(
     forked.adopt(environ, cwd, stdio)
     try:
         try_here(cfg, world_size)
-    except ConfigError as refusal:
-        sending.send(str(refusal))
+    except Rejected as refusal:  # a setting, or a file a setting names (init.path)
+        sending.send(refusal)
         return
     sending.send(None)

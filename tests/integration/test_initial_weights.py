@@ -151,13 +151,18 @@ class WouldWriteAFile:
         return (open, (str(self.marker), "w"))
 
 
-def test_a_pickle_that_would_run_code_is_refused_in_one_line_and_nothing_in_it_runs(cli, tmp_path):
+# One rank is tried in the launcher's process, several in a process forked for the trial.
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_pickle_that_would_run_code_is_refused_in_one_line_and_nothing_in_it_runs(
+    cli, tmp_path, ranks
+):
     marker, evil = tmp_path / "ran", tmp_path / "pytorch_model.bin"
     torch.save({"features.0.weight": WouldWriteAFile(marker)}, evil)
     torch.load(evil, weights_only=False)  # armed: a plain unpickling runs it
     assert marker.exists()
     marker.unlink()
-    result = cli(*TINY, "init=file", f"init.path={evil}", cwd=tmp_path)
+    tiny = (f"launcher.nproc_per_node={ranks}", *TINY[1:])
+    result = cli(*tiny, "init=file", f"init.path={evil}", cwd=tmp_path)
     assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and str(evil) in lines[0] and "nothing in it was executed" in lines[0]
