@@ -8,6 +8,7 @@ refuses is a config mistake: one line, exit 2 (Hydra's traceback with HYDRA_FULL
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 from collections.abc import Callable
@@ -98,15 +99,16 @@ class OnceLoader(ConfigLoaderImpl):
         (the command composes every job before the sweep starts, Hydra's sweeper a batch to see
         that it can, its launcher a job to run it), the same composition."""
         key = ("sweep job", *sweep_overrides)
-        if key in self._jobs:
-            return self._jobs[key]
-        try:
-            cfg = super().load_sweep_config(master_config, sweep_overrides)
-        except Exception as error:  # noqa: BLE001 (a config mistake is refused in one line)
-            raise refusal_of(error, self, sweep_overrides) or error from None
-        self.check_job(cfg, [*_recorded(master_config, "hydra"), *sweep_overrides])
-        self._jobs[key] = cfg
-        return cfg
+        if key not in self._jobs:
+            try:
+                cfg = super().load_sweep_config(master_config, sweep_overrides)
+            except Exception as error:  # noqa: BLE001 (a config mistake is refused in one line)
+                raise refusal_of(error, self, sweep_overrides) or error from None
+            self.check_job(cfg, [*_recorded(master_config, "hydra"), *sweep_overrides])
+            self._jobs[key] = cfg
+        # Hydra's launcher writes the job's id into what it gets and makes it read-only: each
+        # job its own copy (two jobs of a sweep may have the same overrides).
+        return copy.deepcopy(self._jobs[key])
 
     def composed_jobs(self) -> list[DictConfig]:
         return list(self._jobs.values())

@@ -15,7 +15,7 @@ import submitit
 import yaml
 
 from framework.launch.slurm.sweep import Watch
-from tests.conftest import read_metrics
+from tests.conftest import read_metrics, train_losses
 from tests.integration.test_faults import processes_mentioning
 
 pytestmark = pytest.mark.slow
@@ -122,6 +122,16 @@ def test_a_failed_job_is_reported_in_the_summary_and_the_sweep_goes_on(cli, tmp_
     assert [(row["job"], row["status"]) for row in rows] == [("0", "failed"), ("1", "completed")]
     assert "smaller than one global batch" in rows[0]["error"] and rows[1]["error"] == ""
     assert float(rows[1]["val/accuracy"]) > 0
+
+
+def test_two_jobs_with_the_same_overrides_each_train_and_train_alike(cli, tmp_path):
+    """A value repeated in a sweep (or one an Optuna sampler proposes twice): two jobs."""
+    one_rank = ("launcher.nproc_per_node=1", *TINY_CLI)
+    result = cli("-m", "optimizer.lr=0.05,0.05", *one_rank, cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = sweep_dir(tmp_path)
+    assert [row["status"] for row in summary_rows(sweep)] == ["completed", "completed"]
+    assert train_losses(sweep / "0") == train_losses(sweep / "1")
 
 
 def test_what_a_refusing_rank_says_reaches_the_summary(cli, tmp_path):
