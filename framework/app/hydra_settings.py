@@ -13,6 +13,7 @@ the callables Hydra and this framework ship (or your own, through allowed_target
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -33,17 +34,18 @@ PLAIN_SETTINGS = (
     "hydra.searchpath",
     "hydra.callbacks.run_dir.output_subdir",
 )
-# The sweepers' numbers and names (basic, optuna, optuna_prune). Optuna's `storage` would write
-# a database wherever it says, and `custom_search_space` names a function: neither is here.
-SWEEPER_SETTINGS = (
-    "max_batch_size",
-    "direction",
-    "n_trials",
-    "n_jobs",
-    "study_name",
-    "max_failure_rate",
-    "pruner",
-)
+# The sweepers' numbers and names (basic, optuna, optuna_prune), each number with its range: a
+# sweep of no trial runs nothing, batches of none never end. Optuna's `storage` would write a
+# database wherever it says, and `custom_search_space` names a function: neither is here.
+SWEEPER_SETTINGS: dict[str, tuple[float, float] | None] = {
+    "max_batch_size": (1, math.inf),
+    "direction": None,
+    "n_trials": (1, math.inf),
+    "n_jobs": (1, math.inf),
+    "study_name": None,
+    "max_failure_rate": (0, 1),
+    "pruner": None,
+}
 # hydra/sweeper=optuna_prune: each pruner's settings, under its name (core/pruners.py).
 PRUNER_SETTINGS = tuple(f"hydra.sweeper.{name}" for name in PRUNERS)
 SWEEPER_PARAMS = "hydra.sweeper.params"
@@ -258,6 +260,10 @@ def _named_values_problem(area: str, value: Any) -> str | None:
     return _value_problem(area, value)
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _scalar(value: Any) -> bool:
     return value is None or isinstance(value, str | int | float | bool)
 
@@ -273,6 +279,11 @@ def _value_problem(path: str, value: Any) -> str | None:
         return searchpath_problem(value)
     if not _scalar(value):
         return f"{path}={value}: give a plain value here"
+    if (bounds := SWEEPER_SETTINGS.get(_child(path, "hydra.sweeper") or "")) and _number(value):
+        low, high = bounds
+        if not low <= value <= high:
+            within = f"from {low:g} to {high:g}" if high < math.inf else f">= {low:g}"
+            return f"{path}={value}: give a number {within}"
     if isinstance(value, str) and (problem := _text_problem(path, value)):
         return f"{path}={value!r} {problem}: give another"
     if path == "hydra.sweep.subdir":

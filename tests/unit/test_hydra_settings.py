@@ -216,6 +216,21 @@ def test_the_settable_keys_and_shipped_options_pass(argv):
     checked(argv)
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        # (a pruning sweep with n_jobs=0 printed "Launching 0 jobs" without end)
+        (["hydra/sweeper=optuna_prune", "hydra.sweeper.n_jobs=0"], "n_jobs=0: give a number >= 1"),
+        (["hydra/sweeper=optuna", "hydra.sweeper.n_trials=-1"], "n_trials=-1: give a number >="),
+        (["hydra.sweeper.max_batch_size=0"], "max_batch_size=0: give a number >= 1"),
+        (["hydra/sweeper=optuna", "hydra.sweeper.max_failure_rate=2"], "from 0 to 1"),
+    ],
+    ids=["no jobs at once", "no trials", "batches of none", "a rate over 1"],
+)
+def test_a_sweepers_count_outside_its_range_is_refused(argv, said):
+    assert said in refusal(["-m", *argv, "optimizer.lr=0.1,0.05"])
+
+
 def test_a_run_dir_from_a_file_with_an_interpolation_passes(tmp_path):
     body = "hydra:\n  run:\n    dir: outputs/${optimizer.lr}/${now:%H}\n"
     checked(experiment(tmp_path, body, "mine"))
