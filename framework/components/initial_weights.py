@@ -103,6 +103,13 @@ class FromFile:
         missing = sorted(required - names.keys())
         misfits = _misfits(names, entries, expected, self.key_map)
         self._refuse(missing, unexpected, duplicated, misfits)
+        if required and not names:  # (init.strict=false: what fits is nothing)
+            file_names = ", ".join((unexpected or list(entries))[:3])  # (as renamed)
+            model_keys = ", ".join(sorted(required)[:3])
+            raise ConfigError(
+                f"init.path={self.path} fills no key of the model: its names are like "
+                f"{file_names}, the model's like {model_keys}: map them with init.rename"
+            )
         return LoadPlan(source, self.key_map, names, skipped)
 
     def _skipped(self, expected: Mapping[str, TensorInfo]) -> list[str]:
@@ -159,7 +166,7 @@ class FromFile:
             raise ConfigError(
                 f"init.path={self.path} does not fit the model ({'; '.join(problems)}): map "
                 "its names with init.rename, leave model keys as built with init.skip"
-                f"{'' if not self.strict else ', or load what fits with init.strict=false'}"
+                f"{', or load what fits with init.strict=false' if missing or unexpected else ''}"
             )
 
 

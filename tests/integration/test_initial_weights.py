@@ -105,10 +105,16 @@ def test_a_file_that_does_not_fit_is_one_line_naming_each_mismatch_before_traini
             "and 3 more",
             "6 in the file, not in the model: features.0.bias (as trunk.0.bias)",
         ],
+        # loading what fits, where nothing does: refused, not the model as built
+        ("init.rename={features.:trunk.,head.:top.}", "init.strict=false"): [
+            "fills no key of the model: its names are like features.0.bias (as trunk.0.bias)",
+            "the model's like features.0.bias",
+        ],
         # another width: shapes named, file vs model
         ("model.width=8",): ["features.0.weight [4, 1, 3, 3] vs [8, 1, 3, 3]", "and 4 more"],
         ("init.skip=[nothing.*]",): ["init.skip: nothing.* matches no key of the model"],
     }
+    not_a_fix = {("model.width=8",): "init.strict=false"}  # (a misfit is refused either way)
     for extra, expected in cases.items():
         result = cli(*TINY, "init=file", f"init.path={path}", *extra, cwd=tmp_path)
         assert result.returncode == ExitCode.CONFIG_REJECTED, result.stderr[-2000:]
@@ -116,6 +122,7 @@ def test_a_file_that_does_not_fit_is_one_line_naming_each_mismatch_before_traini
         assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
         for part in expected:
             assert part in lines[0], lines[0]
+        assert not_a_fix.get(extra, "\0") not in lines[0], lines[0]
         assert not (tmp_path / "outputs").exists()
 
 
