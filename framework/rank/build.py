@@ -220,11 +220,9 @@ def build_data(
         splits = load_splits(data)  # the loaders' collate_fn is built below
     collate_node = data.get("collate_fn")
     collate_fn = built("data.collate_fn", collate_node) if collate_node is not None else None
-    if len(splits.val) == 0:  # evaluation would fail at its first batch, after training
-        raise ConfigError(
-            f"data: the validation split of {data._target_} is empty: give it samples "
-            "(data.val_size, data.val_fraction or your loader's own split)"
-        )
+    for split, keys in (("training", "train"), ("validation", "val")):
+        if len(getattr(splits, keys)) == 0:  # (evaluation would fail after training)
+            raise ConfigError(f"data: the {split} split of {data._target_} is empty: {_more(data)}")
     loaders = build_loaders(splits, data, env, trainer.seed, device, collate_fn)
     if len(loaders.train) < trainer.grad_accum:
         raise ConfigError(
@@ -233,6 +231,16 @@ def build_data(
             "launcher.nproc_per_node"
         )
     return splits, loaders
+
+
+# The keys of the shipped data options that size their splits.
+SPLIT_KEYS = r"\w+_fraction|train_size|val_size|files|val_files"
+
+
+def _more(data: DictConfig) -> str:
+    """The fix for an empty split, in this data option's own keys."""
+    named = [f"data.{key}" for key in data if re.fullmatch(SPLIT_KEYS, str(key))]
+    return f"give it samples ({', '.join(named) or 'your loader decides its splits'})"
 
 
 def build_model(

@@ -41,7 +41,12 @@ REFUSED = [
     # The data's sizes: what the loaders build at the fewest ranks the launcher starts.
     (["data.batch_size=5000"], "the training set (1438 samples) is smaller than one global"),
     (["data.val_fraction=0.0001"], "the validation split of framework.components.data.digits"),
-    (["data.val_fraction=0.6", "data.test_fraction=0.4"], "the training set (0 samples)"),
+    # An empty split names the keys of this data option that size its splits.
+    (
+        ["data.val_fraction=0.6", "data.test_fraction=0.4"],
+        "the training split of framework.components.data.digits is empty: give it samples "
+        "(data.val_fraction, data.test_fraction)",
+    ),
     (["experiment=char_gpt", "data.val_fraction=0.00001"], "the validation split of"),
     (["data=cifar10"], "data.root=None holds no CIFAR-10 python batches"),
     (["data=cifar10", "data.root=/nonexistent"], "data.root=/nonexistent holds no CIFAR-10"),
