@@ -106,8 +106,7 @@ class OnceLoader(ConfigLoaderImpl):
                 raise refusal_of(error, self, sweep_overrides) or error from None
             self.check_job(cfg, [*_recorded(master_config, "hydra"), *sweep_overrides])
             self._jobs[key] = cfg
-        # Hydra's launcher writes the job's id into what it gets and makes it read-only: each
-        # job its own copy (two jobs of a sweep may have the same overrides).
+        # Each job its own copy: Hydra's launcher writes the job's id into it, then locks it.
         return copy.deepcopy(self._jobs[key])
 
     def composed_jobs(self) -> list[DictConfig]:

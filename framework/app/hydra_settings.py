@@ -34,9 +34,8 @@ PLAIN_SETTINGS = (
     "hydra.searchpath",
     "hydra.callbacks.run_dir.output_subdir",
 )
-# The sweepers' numbers and names (basic, optuna, optuna_prune), each number with its range: a
-# sweep of no trial runs nothing, batches of none never end. Optuna's `storage` would write a
-# database wherever it says, and `custom_search_space` names a function: neither is here.
+# The sweepers' names and numbers, each in its range (no trials run nothing, no jobs never end).
+# Optuna's `storage` writes a database anywhere, `custom_search_space` names a function: not here.
 SWEEPER_SETTINGS: dict[str, tuple[float, float] | None] = {
     "max_batch_size": (1, math.inf),
     "direction": None,
@@ -260,10 +259,6 @@ def _named_values_problem(area: str, value: Any) -> str | None:
     return _value_problem(area, value)
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _scalar(value: Any) -> bool:
     return value is None or isinstance(value, str | int | float | bool)
 
@@ -279,11 +274,10 @@ def _value_problem(path: str, value: Any) -> str | None:
         return searchpath_problem(value)
     if not _scalar(value):
         return f"{path}={value}: give a plain value here"
-    if (bounds := SWEEPER_SETTINGS.get(_child(path, "hydra.sweeper") or "")) and _number(value):
-        low, high = bounds
-        if not low <= value <= high:
-            within = f"from {low:g} to {high:g}" if high < math.inf else f">= {low:g}"
-            return f"{path}={value}: give a number {within}"
+    low, high = SWEEPER_SETTINGS.get(_child(path, "hydra.sweeper") or "") or (-math.inf, math.inf)
+    if isinstance(value, int | float) and not isinstance(value, bool) and not low <= value <= high:
+        within = f"from {low:g} to {high:g}" if high < math.inf else f">= {low:g}"
+        return f"{path}={value}: give a number {within}"
     if isinstance(value, str) and (problem := _text_problem(path, value)):
         return f"{path}={value!r} {problem}: give another"
     if path == "hydra.sweep.subdir":

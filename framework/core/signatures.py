@@ -22,6 +22,7 @@ import importlib.machinery
 import os
 import pkgutil
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,13 +215,13 @@ def _member(found: Definition | None, name: str) -> Definition | None:
 def _signature(target: str, found: Definition, budget: int) -> Signature | None:
     node = found.node
     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-        return _from_arguments(target, node.args, _aliases(found.path))
+        return _from_arguments(target, node.args, _aliases(found))
     if _is_dataclass(node):
         return _dataclass_signature(target, found, budget)
     init = _member(found, "__init__")
     if init is not None:
         args = init.node.args  # type: ignore[union-attr]
-        signature = _from_arguments(target, args, _aliases(found.path))
+        signature = _from_arguments(target, args, _aliases(found))
         return _without_self(signature)
     for base in node.bases:  # no __init__ of its own: the first base's that has one
         dotted = _dotted(base)
@@ -252,7 +253,7 @@ def _dataclass_signature(target: str, found: Definition, budget: int) -> Signatu
             inherited = _signature(target, parent, budget - 1)
             if inherited is not None:
                 parameters.update(inherited.parameters)
-    aliases = _aliases(found.path)
+    aliases = _aliases(found)
     for statement in node.body:
         if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
             name = statement.target.id
@@ -289,16 +290,36 @@ def _from_arguments(target: str, args: ast.arguments, aliases: dict[str, ast.exp
     return Signature(target, parameters, takes_kwargs=args.kwarg is not None)
 
 
-def _aliases(path: Path) -> dict[str, ast.expr]:
-    """The module's type aliases (`WireDtype = Literal["fp16", "bf16"]`)."""
+Named = ast.expr | tuple[str, str]  # an alias's value, or the (module, name) it is imported from
+
+
+def _aliases(found: Definition) -> dict[str, ast.expr]:
+    """Its module's type aliases: its own, and those imported from its package or ours."""
+    packages = {found.module.partition(".")[0], __name__.partition(".")[0]}  # (not torch: huge)
+    named = {name: _alias(value, packages) for name, value in _top_level_names(found.path)}
+    return {name: alias for name, alias in named.items() if alias is not None}
+
+
+def _alias(value: Named, packages: set[str], budget: int = 4) -> ast.expr | None:
+    if isinstance(value, ast.expr):
+        return value
+    module, name = value  # imported: followed through re-exports
+    source = source_file(module) if module.partition(".")[0] in packages and budget else None
+    there = dict(_top_level_names(source)) if source else {}
+    return _alias(there[name], packages, budget - 1) if name in there else None
+
+
+def _top_level_names(path: Path) -> Iterator[tuple[str, Named]]:
+    """Each alias assigned, (name, value); each name imported, (name, (module, name there))."""
     tree = parsed(path)
-    aliases: dict[str, ast.expr] = {}
     for node in _top_level(tree.body if tree is not None else []):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript | ast.BinOp):
             for target in node.targets:
                 if isinstance(target, ast.Name):
-                    aliases[target.id] = node.value
-    return aliases
+                    yield target.id, node.value
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for imported in node.names:
+                yield imported.asname or imported.name, (node.module, imported.name)
 
 
 def _unaliased(annotation: ast.expr | None, aliases: dict[str, ast.expr]) -> ast.expr | None:

@@ -201,6 +201,8 @@ def test_the_accumulation_follows_the_number_of_ranks_to_keep_the_global_batch()
         (["launcher=torchrun", "launcher.monitor_interval_s=0"], "monitor_interval_s=0.0 must"),
         (["logger=mlflow", "logger.mlflow.experiment="], "logger.mlflow.experiment= must be at"),
         (["data=synthetic", "data.image_size=0"], "data.image_size=0 must be >= 1"),
+        # (a bound declared by an alias another module of the package defines: data.Size)
+        (["experiment=char_gpt", "data=text_stream", "data.val_files=0"], "data.val_files=0 must"),
         (["data=synthetic", "data.train_size=0"], "data.train_size=0 must be >= 1"),
         (["data.val_fraction=0"], "data.val_fraction=0 must be in (0, 1)"),
         (["data.test_fraction=-0.1"], "data.test_fraction=-0.1 must be in [0, 1)"),
