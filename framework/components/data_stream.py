@@ -355,6 +355,10 @@ class TextStream(IterableDataset):
         shard.seed, shard.shuffle = seed, shuffle
         return shard
 
+    def identity(self) -> dict[str, Any]:
+        """The files and their text sizes: what a position in the stream counts windows of."""
+        return {"files": [str(path) for path in self.files], "sizes": list(self.sizes)}
+
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """`start`: windows of this epoch's global order consumed by all ranks together."""
         self.epoch, self.start = epoch, start

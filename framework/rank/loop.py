@@ -38,6 +38,7 @@ from framework.rank.build import Parts, TrainingParts
 from framework.rank.evaluation import evaluate
 from framework.rank.nonfinite import NonFiniteGuard
 from framework.rank.state import (
+    DataIdentity,
     LoaderPosition,
     Optimization,
     RNGStreams,
@@ -118,6 +119,7 @@ class Runner:
             self.selection,
             per_rank={"rng": self.rng, "loader_generator": self.position, "window": self.window},
             steps_per_epoch=self.steps_per_epoch,
+            data=DataIdentity(self.loaders.train.dataset),
         )
 
     # --- the loop ---------------------------------------------------------------------------

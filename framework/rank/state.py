@@ -145,6 +145,27 @@ class LoaderPosition:
         self._restored = state
 
 
+class DataIdentity:
+    """What the training data was: a checkpoint's position counts its samples (a stream's
+    windows of its files), so a resume on other data would read some twice and skip others."""
+
+    def __init__(self, dataset: Any) -> None:
+        identity = getattr(dataset, "identity", None)
+        sized = hasattr(dataset, "__len__")
+        self.identity = identity() if identity else {"samples": len(dataset)} if sized else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.identity)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state != self.identity:
+            changed = ", ".join(key for key in state if state[key] != self.identity.get(key))
+            raise CheckpointError(
+                f"the training data changed since the checkpoint was saved (its {changed}): "
+                "put it back to resume exactly, or start a new run in another dir"
+            )
+
+
 class TensorState(Stateful, Protocol):
     def shard_state_dict(self) -> dict[str, Any]: ...
 
@@ -214,6 +235,7 @@ def run_states(
     selection: Stateful,
     per_rank: Mapping[str, Stateful],
     steps_per_epoch: int,
+    data: DataIdentity,
 ) -> StateRegistry:
     """What a training run's checkpoint holds. `per_rank`: the loop's own per-rank states (RNG
     streams, the loader's position, the log window), beside the comm hook's."""
@@ -228,6 +250,7 @@ def run_states(
             "scheduler": optimization.scheduler,
             "precision": optimization.precision,
             "trainer": FlatStates(train_state, selection),
+            "data": data,
         },
         per_rank={**per_rank, "comm": optimization.comm},
         # schedule_steps: the steps the schedule was built for, which a run extended after it

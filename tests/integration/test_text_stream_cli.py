@@ -112,3 +112,27 @@ def test_a_jsonl_or_parquet_file_without_its_text_is_one_line_naming_it_and_no_r
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(f"error: data.files: {said}"), line
     assert sorted(path.name for path in tmp_path.iterdir()) == ["texts"]  # no run dir
+
+
+def test_a_stream_whose_files_changed_since_the_checkpoint_is_not_resumed(cli, tmp_path):
+    """A stream's position counts windows of its files: more text in them would shift every
+    window after the change (some read twice, some never), so the run refuses to go on."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for name in ("a", "b", "c"):
+        (texts / f"{name}.txt").write_text(f"{name} says hello to the stream. " * 200)
+    run_dir = tmp_path / "run"
+    run = ("experiment=char_gpt", "data=text_stream", "data.files=texts/*.txt", "data.val_files=1")
+    run += (*SMALL_GPT, "launcher.nproc_per_node=1", f"hydra.run.dir={run_dir}")
+    assert cli(*run, "trainer.max_steps=4", cwd=tmp_path).returncode == 0
+    last = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    with (texts / "b.txt").open("a") as file:
+        file.write("more text " * 50)
+    longer = cli(*run, "trainer.max_steps=6", cwd=tmp_path)
+    assert longer.returncode == 2, longer.stderr[-3000:]
+    assert "Traceback" not in longer.stderr
+    assert longer.stderr.strip().splitlines()[-1:] == [
+        "error: the training data changed since the checkpoint was saved (its sizes): put it "
+        "back to resume exactly, or start a new run in another dir"
+    ]
+    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == last
