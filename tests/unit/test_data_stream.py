@@ -99,6 +99,17 @@ def test_a_resumed_epoch_reads_exactly_the_rest(tmp_path, world_size, workers):
         assert resumed == whole[2:]
 
 
+def assert_windows_of(stream: TextStream, text: bytes) -> None:
+    """The stream (block 4, stride 4, unshuffled) yields `text`'s windows in order, bytes >= 128
+    read as '?'."""
+    expected = torch.tensor([b if b < 128 else 63 for b in text])
+    windows = list(stream)
+    assert len(windows) == len(stream) == (len(text) - 5) // 4 + 1
+    for number, (inputs, targets) in enumerate(windows):
+        assert torch.equal(inputs, expected[number * 4 : number * 4 + 4])
+        assert torch.equal(targets, expected[number * 4 + 1 : number * 4 + 5])
+
+
 def test_a_window_is_the_bytes_of_the_files_it_spans_one_token_per_byte(tmp_path, monkeypatch):
     """Unshuffled, the files in sorted order, their bytes one after another; bytes >= 128
     become '?' (63)."""
@@ -110,12 +121,7 @@ def test_a_window_is_the_bytes_of_the_files_it_spans_one_token_per_byte(tmp_path
     stream = splits.train.for_rank(0, 1, 1, seed=0, shuffle=False)
     kept = sorted(path.name for path in stream.files)
     text = b"".join((tmp_path / name).read_bytes() for name in kept)
-    expected = torch.tensor([b if b < 128 else 63 for b in text])
-    windows = list(stream)
-    assert len(windows) == len(stream) == (len(text) - 5) // 4 + 1
-    for number, (inputs, targets) in enumerate(windows):
-        assert torch.equal(inputs, expected[number * 4 : number * 4 + 4])
-        assert torch.equal(targets, expected[number * 4 + 1 : number * 4 + 5])
+    assert_windows_of(stream, text)
 
 
 def test_a_window_of_jsonl_and_parquet_files_is_their_texts_bytes_in_order(tmp_path, monkeypatch):
@@ -137,12 +143,7 @@ def test_a_window_of_jsonl_and_parquet_files_is_their_texts_bytes_in_order(tmp_p
     assert jsonl.whole() == "".join(texts[:20]).encode()
     assert parquet.whole() == "".join(texts[20:]).encode()
     text = "".join(texts).encode()
-    expected = torch.tensor([b if b < 128 else 63 for b in text])
-    windows = list(stream)
-    assert len(windows) == len(stream) == (len(text) - 5) // 4 + 1
-    for number, (inputs, targets) in enumerate(windows):
-        assert torch.equal(inputs, expected[number * 4 : number * 4 + 4])
-        assert torch.equal(targets, expected[number * 4 + 1 : number * 4 + 5])
+    assert_windows_of(stream, text)
 
 
 def test_a_parquet_file_without_pyarrow_is_one_line_naming_the_install(tmp_path, monkeypatch):
