@@ -150,9 +150,10 @@ class DataIdentity:
     windows of its files), so a resume on other data would read some twice and skip others."""
 
     def __init__(self, dataset: Any) -> None:
-        identity = getattr(dataset, "identity", None)
-        sized = hasattr(dataset, "__len__")
-        self.identity = identity() if identity else {"samples": len(dataset)} if sized else {}
+        if hasattr(dataset, "identity"):  # a stream: its files and their sizes
+            self.identity = dataset.identity()
+        else:
+            self.identity = {"samples": len(dataset)} if hasattr(dataset, "__len__") else {}
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.identity)
