@@ -40,22 +40,29 @@ def check_hydra_node(
 ) -> None:
     """Raise ConfigError unless what cfg's Hydra node calls is allowed, Hydra's record of the
     overrides is what `overrides` make it (a config file cannot write it), and every key that
-    differs from the shipped node is settable, with a value its rule allows once resolved."""
+    differs from the shipped node is settable, with a value its rule allows once resolved. The
+    message names every problem of the node, so that one fix is enough."""
     trusted = trusted_prefixes(cfg)
     node = plain_node(cfg)
-    for path, value in iter_leaves(node, "hydra"):
-        if matches_prefix(path, CODE_NODES) and (problem := _leaf_problem(path, value, trusted)):
-            raise ConfigError(problem)
+    problems = [
+        problem
+        for path, value in iter_leaves(node, "hydra")
+        if matches_prefix(path, CODE_NODES) and (problem := _leaf_problem(path, value, trusted))
+    ]
     _check_override_record(cfg, overrides)
     reference = shipped_node(_choices(cfg), config_name)
     changed = [path for path in _changed(node, reference) if not matches_prefix(path, HYDRA_WRITES)]
-    for path in changed:
-        if not settable(path):
-            raise ConfigError(refusal(path))
+    if refused := [path for path in changed if not settable(path)]:
+        problems.append(refusal(*refused))
     resolving = JobValues(cfg)
-    for judged in sorted({area(path) for path in changed}):
-        if problem := area_problem(judged, resolving.value(judged), trusted):
-            raise ConfigError(problem)
+    for judged in sorted({area(path) for path in changed if settable(path)}):
+        try:
+            if problem := area_problem(judged, resolving.value(judged), trusted):
+                problems.append(problem)
+        except ConfigError as unresolved:
+            problems.append(str(unresolved))
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _leaf_problem(path: str, value: Any, trusted: Iterable[str]) -> str | None:

@@ -184,10 +184,11 @@ def settable(path: str) -> bool:
     return _under(path, CALLBACKS) and path != CALLBACKS and not _under(path, RUN_DIR_CALLBACK)
 
 
-def refusal(path: str) -> str:
+def refusal(*paths: str) -> str:
+    """One line naming every key refused at once, so one fix is enough."""
     return (
-        f"{path} cannot be set from a config file or the command line: Hydra's node keeps what "
-        f"the framework ships, except {SETTINGS_SUMMARY}"
+        f"{', '.join(paths)} cannot be set from a config file or the command line: Hydra's node "
+        f"keeps what the framework ships, except {SETTINGS_SUMMARY}"
     )
 
 
@@ -237,10 +238,13 @@ def _params_problem(params: Any) -> str | None:
         return None
     if not isinstance(params, Mapping):
         return f"{SWEEPER_PARAMS}={params}: give a mapping of keys to plain values"
+    names = {key: str(key).lstrip("+~") for key in params}
+    if refused := [
+        name for name in names.values() if name.startswith("hydra.") and not settable(name)
+    ]:
+        return refusal(*refused)
     for key, value in params.items():
-        name = str(key).lstrip("+~")
-        if name.startswith("hydra.") and not settable(name):
-            return refusal(name)
+        name = names[key]
         if matches_prefix(name, ["hydra.searchpath"]):  # read as each job is composed
             return f"{SWEEPER_PARAMS}.{key}: the config folders cannot be swept: set them once"
         if problem := _value_problem(f"{SWEEPER_PARAMS}.{key}", value):

@@ -322,7 +322,10 @@ REFUSED = [
     ),
     (["allowed_targets=[builtins]"], "allowed_targets cannot be set on the command line"),
     (["+allowed_targets=[os]"], "allowed_targets cannot be set on the command line"),
-    (["~hydra.callbacks.run_dir"], "hydra.callbacks cannot be set"),
+    (
+        ["~hydra.callbacks.run_dir"],
+        "hydra.callbacks, hydra.callbacks.run_dir._target_ cannot be set",
+    ),
     (
         ["hydra.callbacks.run_dir._target_=hydra.experimental.callback.Callback"],
         "hydra.callbacks.run_dir._target_=hydra.experimental.callback.Callback is not allowed",
