@@ -6,6 +6,7 @@ option. A shim, as framework_launchers.py is: the framework never imports it."""
 # No `from __future__ import annotations`: Hydra executes this module before it is in
 # sys.modules, where dataclasses cannot resolve string annotations.
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,10 @@ try:
     from hydra_plugins.hydra_optuna_sweeper.config import OptunaSweeperConf
 except ImportError:  # hydra-optuna-sweeper is not installed: no pruning sweeper either
     OptunaSweeperConf = None
+
+# Either Optuna sweeper imports optuna once Hydra's logging prints INFO (as it instantiates the
+# sampler), and optuna's storage sets up alembic, which logs a line per plugin: not news.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 class PruningSweeper(Sweeper):

@@ -17,6 +17,7 @@ import yaml
 from framework.launch.slurm.sweep import Watch
 from tests.conftest import read_metrics, train_losses
 from tests.integration.test_faults import processes_mentioning
+from tests.integration.test_quick_refusal import train_without_torch
 
 pytestmark = pytest.mark.slow
 TINY_CLI = (
@@ -177,6 +178,26 @@ def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_value
     assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == 4  # 2 jobs x 2 tasks (ranks)
     # The app returned the objective (val/accuracy) to optuna.
     assert best["best_value"] == pytest.approx(max(float(row["val/accuracy"]) for row in rows))
+
+
+def test_an_optuna_trial_a_bound_refuses_is_one_line_in_a_sweep_that_logs_only_its_news(
+    tmp_path,
+):
+    """A new interpreter, as a user starts it (optuna first imported as Hydra makes the
+    sampler, once its logging prints INFO), torch unimportable: the trial's value is refused
+    before any rank starts, and alembic's set-up lines under optuna's storage are not printed."""
+    sweep = tmp_path / "sweep"
+    argv = (
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=1",
+        "optimizer.lr=interval(-2,-1)",
+    )
+    result = train_without_torch(tmp_path, *argv, f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1].startswith("error: optimizer.lr=-1.")
+    assert result.stderr.splitlines()[-1].endswith(" must be > 0")
+    assert "Launching 1 jobs" in result.stdout and "alembic" not in result.stdout + result.stderr
 
 
 LAUNCHER_CHECKS = [
