@@ -55,7 +55,7 @@ def check_hydra_node(
     if refused := [path for path in changed if not settable(path)]:
         problems.append(refusal(*refused))
     resolving = JobValues(cfg)
-    for judged in sorted({area(path) for path in changed if settable(path)}):
+    for judged in sorted({area(path) for path in changed if path not in refused}):
         try:
             if problem := area_problem(judged, resolving.value(judged), trusted):
                 problems.append(problem)

@@ -37,7 +37,12 @@ def processes_mentioning(text: str) -> list[str]:
     in it: a rank forked from a fork server has the server's command line, and the launcher's
     working dir. Not this process: an in-process `train` (the cli fixture) works in the test's
     tmp path too, and a pytest-xdist worker's command line does not say pytest."""
-    found = []
+    return list(_mentioning(text).values())
+
+
+def _mentioning(text: str) -> dict[int, str]:
+    """pid: command line (and working dir) of each process processes_mentioning finds."""
+    found = {}
     for process in Path("/proc").glob("[0-9]*"):
         if process.name == str(os.getpid()):
             continue
@@ -47,7 +52,7 @@ def processes_mentioning(text: str) -> list[str]:
         except OSError:
             continue
         if (text in line or cwd.startswith(text)) and "pytest" not in line:
-            found.append(f"{line} (in {cwd})")
+            found[int(process.name)] = f"{line} (in {cwd})"
     return found
 
 
@@ -338,12 +343,9 @@ def assert_no_process_left_within(seconds: float, tmp_path: Path) -> None:
     deadline = time.monotonic() + seconds
     while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.5)
-    for process in Path("/proc").glob("[0-9]*") if left else ():  # clean up before failing
-        if process.name == str(os.getpid()):
-            continue  # an in-process `train` (the cli fixture) left this process in tmp_path
+    for pid in _mentioning(str(tmp_path)) if left else ():  # clean up before failing
         with contextlib.suppress(OSError):
-            if os.readlink(process / "cwd").startswith(str(tmp_path)):
-                os.kill(int(process.name), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
     assert not left, f"still running after the launcher died: {left}"
 
 
