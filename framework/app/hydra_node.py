@@ -54,15 +54,25 @@ def check_hydra_node(
     changed = [path for path in _changed(node, reference) if not matches_prefix(path, HYDRA_WRITES)]
     if refused := [path for path in changed if not settable(path)]:
         problems.append(refusal(*refused))
-    resolving = JobValues(cfg)
-    for judged in sorted({area(path) for path in changed if path not in refused}):
+    judged = sorted({area(path) for path in changed if path not in refused})
+    problems += _area_problems(cfg, judged, trusted)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _area_problems(cfg: DictConfig, areas: list[str], trusted: tuple[str, ...]) -> list[str]:
+    """What each area's rule refuses of its value, resolved as the job will (on a copy of the
+    config, made only where an area changed)."""
+    if not areas:
+        return []
+    resolving, problems = JobValues(cfg), []
+    for judged in areas:
         try:
             if problem := area_problem(judged, resolving.value(judged), trusted):
                 problems.append(problem)
         except ConfigError as unresolved:
             problems.append(str(unresolved))
-    if problems:
-        raise ConfigError("; ".join(problems))
+    return problems
 
 
 def _leaf_problem(path: str, value: Any, trusted: Iterable[str]) -> str | None:

@@ -34,13 +34,18 @@ class JobValues:
             with open_dict(node):
                 if OmegaConf.is_missing(node, name) or name not in node:
                     node[name] = value
+        # Hydra's view of the copy, made once (`set_config` deep-copies the whole config).
+        hydra_config = HydraConfig.instance()
+        before = hydra_config.cfg
+        hydra_config.set_config(self.cfg)
+        self.hydra_view, hydra_config.cfg = hydra_config.cfg, before
 
     def value(self, path: str) -> Any:
         """The value at `path` (dotted), resolved; a section as plain containers."""
         hydra_config = HydraConfig.instance()
         before = hydra_config.cfg
         try:
-            hydra_config.set_config(self.cfg)  # for ${hydra:...}
+            hydra_config.cfg = self.hydra_view  # for ${hydra:...}
             node = OmegaConf.select(self.cfg, path, throw_on_resolution_failure=True)
             if isinstance(node, Container):
                 return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
