@@ -27,7 +27,7 @@ from framework.components.tasks import (
 from framework.components.tasks.base import pack_states, unpack_states
 from framework.config.registry import option_values
 from framework.config.validation import validate
-from framework.core.exits import ConfigError
+from framework.core.exits import ConfigError, is_out_of_memory
 from tests.conftest import make_cfg
 
 
@@ -282,6 +282,28 @@ def test_a_task_that_does_not_fit_the_data_or_the_model_is_one_clear_config_erro
     assert "\n" not in message
     for text in expected:
         assert text in message, message
+
+
+class Greedy(nn.Module):
+    """A layer whose activation this machine cannot hold: its allocation fails for real."""
+
+    def forward(self, inputs):
+        return inputs + torch.empty(2**62, dtype=torch.uint8).sum()
+
+
+@pytest.mark.parametrize(
+    ("task", "targets"),
+    [(Classification(**option_values("task", "classification")), labels), (Regression(), labels)],
+    ids=lambda v: type(v).__name__,
+)
+def test_memory_that_runs_out_on_the_first_batch_is_not_called_a_config_mistake(task, targets):
+    """An allocation that fails in a layer is the rank's memory (exit 5, with what to change),
+    not a model that cannot take the data's inputs (exit 2)."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10), Greedy())
+    with pytest.raises(RuntimeError) as error, torch.no_grad():
+        task.check(model.eval(), (images, targets))
+    assert not isinstance(error.value, ConfigError), error.value
+    assert is_out_of_memory(error.value), error.value
 
 
 def test_every_shipped_task_fits_its_preset():

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from framework.core.exits import ConfigError
+from framework.core.exits import ConfigError, is_out_of_memory
 
 Count = int | torch.Tensor  # an int when it follows from shapes, else a tensor on the device
 
@@ -214,10 +214,13 @@ class Task:
                 )
         self.state_shapes = shapes
 
-    def failed_on(self, batch: Any, error: Exception, model: nn.Module) -> ConfigError:
+    def failed_on(self, batch: Any, error: Exception, model: nn.Module) -> Exception:
         """What a failure on a real batch means: the model's input settings where a layer of
         the model raised it (a Linear given the wrong width), else a task that does not fit
-        this data."""
+        this data; an allocation that failed is the rank's memory, and stays itself (exit 5,
+        core/exits.py)."""
+        if is_out_of_memory(error):
+            return error
         layer = failing_layer(error, model)
         if layer is None:
             return self.misfit(batch, f"{type(error).__name__}: {error}")
