@@ -1,8 +1,8 @@
 """hydra/sweeper=optuna_prune's settings, checked with the rest of the config before any trial
 starts: the pruner is one of core/pruners.py's, its settings within their bounds, the objective
 a validation metric each evaluation reports (in the direction the study optimises), and the
-runs evaluate during training. Pruner settings under another sweeper are refused too: it would
-run every trial to its end."""
+runs evaluate during training. Pruner settings under another sweeper are refused too (it would
+run every trial to its end), as are changed settings of a pruner the sweep does not use."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from framework.core.pruners import (
     PRUNER_KEYS,
     PRUNERS,
     PRUNING_SWEEPER,
+    pruner_defaults,
     pruner_elsewhere,
     pruner_target,
 )
@@ -34,6 +35,12 @@ def check_pruning(cfg: DictConfig) -> None:
         raise ConfigError(f"hydra.sweeper.pruner={name} is not one of {', '.join(PRUNERS)}")
     for pruner in PRUNERS:  # (the others' too: a value set is a value judged)
         check_call_settings(f"hydra.sweeper.{pruner}", sweeper[pruner], pruner_target(pruner))
+    if idle := _settings_of_other_pruners(sweeper, name):
+        raise ConfigError(
+            f"{idle[0]} sets the {idle[1]} pruner, but this sweep prunes with "
+            f"hydra.sweeper.pruner={name}: set hydra.sweeper.pruner={idle[1]}, or leave "
+            f"{idle[1]}'s settings at their defaults"
+        )
     if cfg.trainer.eval_every < 1:
         raise ConfigError(
             f"{OPTION} prunes at evaluations: set trainer.eval_every (steps between "
@@ -56,3 +63,14 @@ def check_pruning(cfg: DictConfig) -> None:
             f"{'higher' if direction == 'max' else 'lower'}: set "
             f"hydra.sweeper.direction={wanted}"
         )
+
+
+def _settings_of_other_pruners(sweeper: DictConfig, chosen: str) -> tuple[str, str] | None:
+    """The first setting changed from its default of a pruner the sweep does not use (it
+    would change nothing), and that pruner's name."""
+    for pruner in PRUNERS:
+        defaults = pruner_defaults(pruner)
+        for key, value in sweeper[pruner].items():
+            if pruner != chosen and value != defaults.get(key):
+                return f"hydra.sweeper.{pruner}.{key}={value}", pruner
+    return None

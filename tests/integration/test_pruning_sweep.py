@@ -150,6 +150,13 @@ BAD_INPUT = [
         ),
         "hydra.sweeper.asha.min_resource is a setting of hydra/sweeper=optuna_prune",
     ),
+    # Settings of a pruner the sweep does not use (median is the default): they would change
+    # nothing.
+    (
+        (*PRUNE, *EVALUATES, "hydra.sweeper.asha.min_resource=2"),
+        "hydra.sweeper.asha.min_resource=2 sets the asha pruner, but this sweep prunes with "
+        "hydra.sweeper.pruner=median: set hydra.sweeper.pruner=asha, or leave asha's settings",
+    ),
     (
         (*PRUNE, *EVALUATES, "hydra.sweeper.asha.patience=3"),
         "hydra.sweeper.asha.patience is not a setting of the asha pruner: it takes "
