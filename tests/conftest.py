@@ -6,6 +6,7 @@ import copy
 import functools
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from typing import NoReturn
 import pytest
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from framework.app.config_search_path import CONFIG_PATH_VARIABLE
@@ -171,40 +173,44 @@ class Finished:
 
 @pytest.fixture
 def cli(capfd, monkeypatch):
-    """`train ARGS` in this process (main(), as the console script calls it), for the tests
-    where a new interpreter is not the point: exit code, stdout and stderr (the ranks' too:
-    they take over this process's streams), in `cwd`, with `env` changes (None removes).
-    Signals to the launcher need a process of their own: run_cli."""
-    import logging
-
-    from hydra.core.global_hydra import GlobalHydra
+    """`train ARGS` in this process (train_here), for the tests where a new interpreter is not
+    the point: exit code, stdout and stderr (the ranks' too: they take over this process's
+    streams). Signals to the launcher need a process of their own: run_cli."""
 
     def run(*args: str, cwd: Path, env: dict | None = None, timeout: float = 0) -> Finished:
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", ["train", *args])
-        for name in ("FRAMEWORK_STARTUP", *DIST_ENV_VARS):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in (env or {}).items():
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-        handlers = list(logging.getLogger().handlers)
         capfd.readouterr()
-        GlobalHydra.instance().clear()
-        try:
-            code = exit_code_of_train()
-        finally:
-            GlobalHydra.instance().clear()
-            root = logging.getLogger()
-            for handler in list(root.handlers):
-                root.removeHandler(handler)
-            for handler in handlers:
-                root.addHandler(handler)
+        code = train_here(monkeypatch, *args, cwd=cwd, env=env)
         out, err = capfd.readouterr()
         return Finished(code, out, err)
 
     return run
+
+
+def train_here(
+    monkeypatch: pytest.MonkeyPatch, *args: str, cwd: Path, env: dict | None = None
+) -> int:
+    """`train ARGS` in this process (main(), as the console script calls it), in `cwd`, with
+    `env` changes (None removes), which `monkeypatch` undoes: the exit code."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["train", *args])
+    for name in ("FRAMEWORK_STARTUP", *DIST_ENV_VARS):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    handlers = list(logging.getLogger().handlers)
+    GlobalHydra.instance().clear()
+    try:
+        return exit_code_of_train()
+    finally:
+        GlobalHydra.instance().clear()
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
 
 
 def exit_code_of_train() -> int:

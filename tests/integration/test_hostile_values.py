@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from framework.core.exits import ExitCode
-from tests.conftest import make_cfg, run_cli
+from tests.conftest import make_cfg, train_here
 
 pytestmark = pytest.mark.slow
 TINY = ("launcher.nproc_per_node=1", "trainer.max_steps=2", "model.width=4")
@@ -83,8 +83,8 @@ CASES = [
 def finished_run(tmp_path_factory) -> Path:
     """A finished run: what mode=eval evaluates and a resume continues."""
     root = tmp_path_factory.mktemp("finished")
-    result = run_cli(*TINY, f"hydra.run.dir={root / 'run'}", cwd=root)
-    assert result.returncode == 0, result.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert train_here(monkeypatch, *TINY, f"hydra.run.dir={root / 'run'}", cwd=root) == 0
     return root / "run"
 
 
