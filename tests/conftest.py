@@ -243,9 +243,8 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
-    """The fork server the tests' ranks start from: its imports run while pytest collects, in
-    an environment outside any job. Not in pytest-xdist's controller, which runs no test (each
-    worker starts its own), nor where tests are only collected."""
+    """Each test starts outside any job, without the user's settings; the slow tests are left
+    out unless asked for."""
     for name in DIST_ENV_VARS:
         os.environ.pop(name, None)
     for name in [name for name in os.environ if name.startswith(USER_SETTINGS)]:
@@ -255,11 +254,6 @@ def pytest_configure(config) -> None:
     else:
         _leave_slow_tests_out_unless_asked(config)
         config.pluginmanager.register(TimeBudget(), TIME_BUDGET)
-    if _is_xdist_controller(config) or config.option.collectonly:
-        return
-    # The pruning sweeps' Optuna too, as `train` preloads it for a command naming that sweeper:
-    # the in-process sweeps' trials run in this one fork server (without it: 2-3 s a trial).
-    forkserver.warm_up(forkserver.PRUNING_PRELOAD)
 
 
 def _leave_slow_tests_out_unless_asked(config) -> None:
@@ -285,9 +279,21 @@ def pytest_configure_node(node) -> None:
 def pytest_collection_finish(session) -> None:
     """The collector's full passes walk every object of this process (torch, Hydra, the test
     modules): about a tenth of the CPU of the files that compose configs. What exists once the
-    tests are collected lives to the end: frozen out of the passes, which are also made rarer."""
+    tests are collected lives to the end: frozen out of the passes, which are also made rarer.
+
+    Then the fork server the slow tests' ranks start from, in an environment outside any job,
+    where they are to run (not in pytest-xdist's controller, which runs no test: each worker
+    starts its own). The quick tests start no rank from it: `uv run pytest` does without its
+    imports (about 4 s of CPU a worker)."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
+    config = session.config
+    if _is_xdist_controller(config) or config.option.collectonly:
+        return
+    if any(item.get_closest_marker("slow") for item in session.items):
+        # The pruning sweeps' Optuna too, as `train` preloads it for a command naming that
+        # sweeper: the in-process sweeps' trials run in this one fork server (2-3 s a trial).
+        forkserver.warm_up(forkserver.PRUNING_PRELOAD)
 
 
 @pytest.hookimpl(trylast=True)  # after the durations, where the run's last lines are read
