@@ -277,19 +277,19 @@ def pytest_configure_node(node) -> None:
 
 
 def pytest_collection_finish(session) -> None:
-    """The collector's full passes walk every object of this process (torch, Hydra, the test
-    modules): about a tenth of the CPU of the files that compose configs. What exists once the
-    tests are collected lives to the end: frozen out of the passes, which are also made rarer.
+    """Where tests are to run (pytest-xdist's controller collects none), once they are collected.
 
-    Then the fork server the slow tests' ranks start from, in an environment outside any job,
-    where they are to run (not in pytest-xdist's controller, which runs no test: each worker
-    starts its own). The quick tests start no rank from it: `uv run pytest` does without its
-    imports (about 4 s of CPU a worker)."""
+    The collector's full passes walk every object of this process (torch, Hydra, the test
+    modules): about a tenth of the CPU of the files that compose configs. What exists now lives
+    to the end: frozen out of the passes, which are also made rarer.
+
+    Then the fork server the slow tests' ranks start from, in an environment outside any job.
+    The quick tests start no rank from it: `uv run pytest` does without its imports (about 4 s
+    of CPU a worker)."""
+    if session.config.option.collectonly or session.testsfailed:  # (a pytest.main in a test)
+        return
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    config = session.config
-    if _is_xdist_controller(config) or config.option.collectonly:
-        return
     if any(item.get_closest_marker("slow") for item in session.items):
         # The pruning sweeps' Optuna too, as `train` preloads it for a command naming that
         # sweeper: the in-process sweeps' trials run in this one fork server (2-3 s a trial).
