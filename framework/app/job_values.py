@@ -34,7 +34,7 @@ class JobValues:
             with open_dict(node):
                 if OmegaConf.is_missing(node, name) or name not in node:
                     node[name] = value
-        # Hydra's view of the copy, made once (`set_config` deep-copies the whole config).
+        # Hydra's view of the copy, made once (`set_config` copies Hydra's whole node).
         hydra_config = HydraConfig.instance()
         before = hydra_config.cfg
         hydra_config.set_config(self.cfg)

@@ -67,10 +67,15 @@ def check_pruning(cfg: DictConfig) -> None:
 
 def _settings_of_other_pruners(sweeper: DictConfig, chosen: str) -> tuple[str, str] | None:
     """The first setting changed from its default of a pruner the sweep does not use (it
-    would change nothing), and that pruner's name."""
+    would change nothing), and that pruner's name. Read unresolved: an interpolation there is
+    a change too, and Hydra's values (${hydra:job.num}) are only a job's."""
     for pruner in PRUNERS:
+        if pruner == chosen:
+            continue
         defaults = pruner_defaults(pruner)
-        for key, value in sweeper[pruner].items():
-            if pruner != chosen and value != defaults.get(key):
+        settings = OmegaConf.to_container(sweeper[pruner], resolve=False)
+        assert isinstance(settings, dict)
+        for key, value in settings.items():
+            if value != defaults.get(str(key)):
                 return f"hydra.sweeper.{pruner}.{key}={value}", pruner
     return None
