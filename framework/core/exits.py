@@ -132,12 +132,12 @@ _PEER_LOST_MARKERS = (
     "connectFullMesh",
 )
 _TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout")
-# torch's allocators when the host (DefaultCPUAllocator) or a GPU has no room left.
+# torch's allocators with no room left (the host's, a GPU's), and a CUDA library's (cuBLAS...).
 _OUT_OF_MEMORY_MARKERS = (
     "can't allocate memory",
-    "CUDA out of memory",
-    "out of memory",
+    "out of memory",  # ("CUDA out of memory" too)
     "std::bad_alloc",
+    "_STATUS_ALLOC_FAILED",  # (CUBLAS_, CUDNN_, ...)
 )
 _TRIED = re.compile(r"tried to allocate (\d+) bytes", re.IGNORECASE)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from framework.core.exits import ExitCode, Outcome, OutOfMemory, outcome_of, root_cause
@@ -27,6 +28,21 @@ def test_a_rank_out_of_memory_prints_one_line_and_exits_5():
     assert line.startswith(f"error: rank 3 ran out of memory (it asked for {2**62 / 2**20:.1f} MiB")
     assert "strategy=fsdp shards the parameters" in line
     assert outcome.reason == line.removeprefix("error: ")
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+    ],
+)
+def test_a_gpu_library_that_cannot_allocate_is_out_of_memory_too(said):
+    """cuBLAS and cuDNN say so in their own words when a full GPU refuses their allocations
+    (torch's messages for them, as on a GPU: none here to fill)."""
+    outcome = outcome_of(RuntimeError(said), rank=1)
+    assert outcome.code == ExitCode.OUT_OF_MEMORY
+    assert outcome.printed.startswith("error: rank 1 ran out of memory (")
 
 
 def test_the_launcher_says_once_what_the_ranks_told_it_and_exits_5():
