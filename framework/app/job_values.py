@@ -14,12 +14,16 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import Container, DictConfig, OmegaConf, open_dict
 
+from framework.core.allowlist import matches_prefix
 from framework.core.exits import ConfigError, first_line
 from framework.core.path_text import path_text_problem, text_problem
 
 # What a job has that a command does not yet: its number, id and output dir (`${hydra:job.num}`
 # in a config resolves to these while checked).
 JOB_RUNTIME = {"job.num": 0, "job.id": "0", "runtime.output_dir": "."}
+# Made by Hydra once, before any job: `${hydra:...}` in it has nothing to read (Hydra's own
+# traceback, "HydraConfig was not set").
+BEFORE_ANY_JOB = ("hydra.sweeper",)
 
 
 class JobValues:
@@ -41,11 +45,12 @@ class JobValues:
         self.hydra_view, hydra_config.cfg = hydra_config.cfg, before
 
     def value(self, path: str) -> Any:
-        """The value at `path` (dotted), resolved; a section as plain containers."""
+        """The value at `path` (dotted), resolved where Hydra resolves it (in a job, or before
+        any job); a section as plain containers."""
         hydra_config = HydraConfig.instance()
         before = hydra_config.cfg
         try:
-            hydra_config.cfg = self.hydra_view  # for ${hydra:...}
+            hydra_config.cfg = None if matches_prefix(path, BEFORE_ANY_JOB) else self.hydra_view
             node = OmegaConf.select(self.cfg, path, throw_on_resolution_failure=True)
             if isinstance(node, Container):
                 return OmegaConf.to_container(node, resolve=True, enum_to_str=True)

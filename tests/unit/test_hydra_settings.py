@@ -238,6 +238,20 @@ def test_a_sweepers_count_outside_its_range_is_refused(argv, said):
     assert said in refusal(["-m", *argv, "optimizer.lr=0.1,0.05"])
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "hydra.sweeper.n_trials=${hydra:job.num}",  # (a traceback from Hydra's sweeper, exit 1)
+        "hydra.sweeper.median.n_startup_trials=${hydra:runtime.cwd}",
+    ],
+)
+def test_hydras_values_do_not_resolve_where_hydra_makes_the_sweeper(setting):
+    """Hydra makes it once, before any job: a job's values are not there yet."""
+    sweeper = ["hydra/sweeper=optuna_prune", "hydra.sweeper.direction=maximize", "launcher=slurm"]
+    said = refusal(["-m", *sweeper, "optimizer.lr=0.1,0.05", "trainer.eval_every=1", setting])
+    assert said.startswith(setting.split("=")[0]) and "cannot be resolved before the run" in said
+
+
 def test_a_run_dir_from_a_file_with_an_interpolation_passes(tmp_path):
     body = "hydra:\n  run:\n    dir: outputs/${optimizer.lr}/${now:%H}\n"
     checked(experiment(tmp_path, body, "mine"))
