@@ -35,12 +35,8 @@ def check_pruning(cfg: DictConfig) -> None:
         raise ConfigError(f"hydra.sweeper.pruner={name} is not one of {', '.join(PRUNERS)}")
     for pruner in PRUNERS:  # (the others' too: a value set is a value judged)
         check_call_settings(f"hydra.sweeper.{pruner}", sweeper[pruner], pruner_target(pruner))
-    if idle := _settings_of_other_pruners(sweeper, name):
-        raise ConfigError(
-            f"{idle[0]} sets the {idle[1]} pruner, but this sweep prunes with "
-            f"hydra.sweeper.pruner={name}: set hydra.sweeper.pruner={idle[1]}, or leave "
-            f"{idle[1]}'s settings at their defaults"
-        )
+    if problem := _setting_of_another_pruner(sweeper, name):
+        raise ConfigError(problem)
     if cfg.trainer.eval_every < 1:
         raise ConfigError(
             f"{OPTION} prunes at evaluations: set trainer.eval_every (steps between "
@@ -65,10 +61,10 @@ def check_pruning(cfg: DictConfig) -> None:
         )
 
 
-def _settings_of_other_pruners(sweeper: DictConfig, chosen: str) -> tuple[str, str] | None:
-    """The first setting changed from its default of a pruner the sweep does not use (it
-    would change nothing), and that pruner's name. Read unresolved: an interpolation there is
-    a change too, and Hydra's values (${hydra:job.num}) are only a job's."""
+def _setting_of_another_pruner(sweeper: DictConfig, chosen: str) -> str | None:
+    """What to say of the first setting changed from its default of a pruner the sweep does not
+    use (it would change nothing). Read unresolved: an interpolation there is a change too, and
+    Hydra's values (${hydra:job.num}) are only a job's."""
     for pruner in PRUNERS:
         if pruner == chosen:
             continue
@@ -77,5 +73,9 @@ def _settings_of_other_pruners(sweeper: DictConfig, chosen: str) -> tuple[str, s
         assert isinstance(settings, dict)
         for key, value in settings.items():
             if value != defaults.get(str(key)):
-                return f"hydra.sweeper.{pruner}.{key}={value}", pruner
+                return (
+                    f"hydra.sweeper.{pruner}.{key}={value} sets the {pruner} pruner, but this "
+                    f"sweep prunes with hydra.sweeper.pruner={chosen}: set "
+                    f"hydra.sweeper.pruner={pruner}, or leave {pruner}'s settings at their defaults"
+                )
     return None

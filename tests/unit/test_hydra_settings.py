@@ -247,7 +247,7 @@ def test_a_sweepers_count_outside_its_range_is_refused(argv, said):
 )
 def test_hydras_values_do_not_resolve_where_hydra_makes_the_sweeper(setting):
     """Hydra makes it once, before any job: a job's values are not there yet."""
-    sweeper = ["hydra/sweeper=optuna_prune", "hydra.sweeper.direction=maximize", "launcher=slurm"]
+    sweeper = ["hydra/sweeper=optuna_prune", "hydra.sweeper.direction=maximize"]
     said = refusal(["-m", *sweeper, "optimizer.lr=0.1,0.05", "trainer.eval_every=1", setting])
     assert said.startswith(setting.split("=")[0]) and "cannot be resolved before the run" in said
 

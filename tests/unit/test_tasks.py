@@ -292,16 +292,16 @@ class Greedy(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("task", "targets"),
-    [(Classification(**option_values("task", "classification")), labels), (Regression(), labels)],
+    "task",
+    [Classification(**option_values("task", "classification")), Regression()],
     ids=lambda v: type(v).__name__,
 )
-def test_memory_that_runs_out_on_the_first_batch_is_not_called_a_config_mistake(task, targets):
+def test_memory_that_runs_out_on_the_first_batch_is_not_called_a_config_mistake(task):
     """An allocation that fails in a layer is the rank's memory (exit 5, with what to change),
     not a model that cannot take the data's inputs (exit 2)."""
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10), Greedy())
     with pytest.raises(RuntimeError) as error, torch.no_grad():
-        task.check(model.eval(), (images, targets))
+        task.check(model.eval(), (images, labels))
     assert not isinstance(error.value, ConfigError), error.value
     assert is_out_of_memory(error.value), error.value
 
