@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often the submitting process looks for a job's result
 STATE_POLL_S = 5.0  # how often it asks the scheduler about the job
 RESULT_GRACE_S = 20.0  # a job that left the queue may still show its result this late
-# submitit's local controller polls its tasks, SIGKILLs them 1 s after a SIGINT, then exits.
-CANCEL_GRACE_S = 5.0
+# submitit's local controller polls its tasks, SIGKILLs them 1 s after a SIGINT, then exits: a
+# few seconds on a busy machine. A SIGINT that reaches it while its interpreter starts can be
+# lost, so a job still running is sent another, after the first one's grace.
+CANCEL_GRACES_S = (10.0, 20.0)
 # SLURM job states after which no result will come (a requeued job goes back to PENDING).
 ENDED_STATES = {
     "BOOT_FAIL",
@@ -118,11 +120,13 @@ class Watch:
         after rank 0 failed) is stopped. A cluster's tasks are SLURM's to end."""
         if self.on_cluster or _all_left(jobs, grace_s):
             return
-        for job in jobs:
-            if not job.done(force_check=True):
+        for cancel_grace_s in CANCEL_GRACES_S:
+            running = [job for job in jobs if not job.done(force_check=True)]
+            for job in running:
                 log.warning("job %s ran on %g s after its result: stopped", job.job_id, grace_s)
                 job.cancel(check=False)  # SIGINT: its ranks stop as on Ctrl-C
-        _all_left(jobs, CANCEL_GRACE_S)
+            if _all_left(running, cancel_grace_s):
+                return
 
     def _as_return(
         self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
