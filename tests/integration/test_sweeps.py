@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -230,12 +231,24 @@ def test_impossible_launches_are_refused_before_anything_is_submitted(
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
 
 
-def test_a_local_task_still_running_after_its_result_is_stopped_before_the_sweep_returns(tmp_path):
+@pytest.mark.parametrize(
+    "sigint", [signal.default_int_handler, signal.SIG_IGN], ids=["sigint-handled", "sigint-ignored"]
+)
+def test_a_local_task_still_running_after_its_result_is_stopped_before_the_sweep_returns(
+    tmp_path, sigint
+):
     """A rank hung after rank 0's result (in a collective, say) is stopped after the grace: the
-    sweep's processes never outlive `train`. A real submitit local job, sleeping."""
+    sweep's processes never outlive `train`, also where `train` started with SIGINT ignored (a
+    command put in the background of a script, or a pytest-xdist worker: its job's processes
+    ignore submitit's cancel). A real submitit local job, sleeping."""
     executor = submitit.AutoExecutor(folder=tmp_path, cluster="local")
-    job = executor.submit(time.sleep, 120)
+    previous = signal.signal(signal.SIGINT, sigint)
+    try:
+        job = executor.submit(time.sleep, 120)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     while job.state != "RUNNING":
         time.sleep(0.1)
     Watch(SimpleNamespace(_EXECUTOR="local"), time.time()).settle([job], grace_s=1.0)
     assert job.done(force_check=True)
+    assert not processes_mentioning(str(tmp_path))

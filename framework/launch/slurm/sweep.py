@@ -11,7 +11,10 @@ framework/app/summarized_sweep.py's SubmittedSweep calls it, once a sweep launch
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -29,10 +32,8 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often the submitting process looks for a job's result
 STATE_POLL_S = 5.0  # how often it asks the scheduler about the job
 RESULT_GRACE_S = 20.0  # a job that left the queue may still show its result this late
-# submitit's local controller polls its tasks, SIGKILLs them 1 s after a SIGINT, then exits: a
-# few seconds on a busy machine. A SIGINT that reaches it while its interpreter starts can be
-# lost, so a job still running is sent another, after the first one's grace.
-CANCEL_GRACES_S = (10.0, 20.0)
+# submitit's local controller polls its tasks, SIGKILLs them 1 s after a SIGINT, then exits.
+CANCEL_GRACE_S = 5.0
 # SLURM job states after which no result will come (a requeued job goes back to PENDING).
 ENDED_STATES = {
     "BOOT_FAIL",
@@ -117,16 +118,23 @@ class Watch:
         """The local executor's tasks are processes of this machine: the sweep ends once they
         have left, so none outlives `train` (rank 0's result comes first; the other ranks were
         still writing theirs). One still running `grace_s` later (a rank hung in a collective
-        after rank 0 failed) is stopped. A cluster's tasks are SLURM's to end."""
+        after rank 0 failed) is stopped: SIGINT, as submitit cancels, and SIGKILL to the job's
+        processes if that did not end it (a process started with SIGINT ignored, as a command put
+        in the background of a script is, passes that on to the job). A cluster's tasks are
+        SLURM's to end."""
         if self.on_cluster or _all_left(jobs, grace_s):
             return
-        for cancel_grace_s in CANCEL_GRACES_S:
-            running = [job for job in jobs if not job.done(force_check=True)]
-            for job in running:
-                log.warning("job %s ran on %g s after its result: stopped", job.job_id, grace_s)
-                job.cancel(check=False)  # SIGINT: its ranks stop as on Ctrl-C
-            if _all_left(running, cancel_grace_s):
-                return
+        running = [job for job in jobs if not job.done(force_check=True)]
+        for job in running:
+            log.warning("job %s ran on %g s after its result: stopped", job.job_id, grace_s)
+            job.cancel(check=False)  # SIGINT: its ranks stop as on Ctrl-C
+        if _all_left(running, CANCEL_GRACE_S):
+            return
+        for job in running:  # a local job's id is its controller's pid
+            for pid in _process_tree(int(job.job_id)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        _all_left(running, CANCEL_GRACE_S)
 
     def _as_return(
         self, num: int, overrides: list[str], outcome: tuple, job: Any, rank0: Any
@@ -183,6 +191,20 @@ def _all_left(jobs: list[Any], within_s: float) -> bool:
             return False
         time.sleep(POLL_S / 10)
     return True
+
+
+def _process_tree(root: int) -> list[int]:
+    """`root` and every process under it, parents first (Linux's /proc; elsewhere `root`)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # The fields after the command name, which may hold spaces and parentheses.
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    tree = [root]
+    for pid in tree:
+        tree.extend(children.get(pid, []))
+    return tree
 
 
 def _executor(launcher: Any) -> Any:
