@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -316,14 +317,24 @@ def _is_xdist_controller(config) -> bool:
     return not _is_xdist_worker(config) and getattr(config.option, "dist", "no") != "no"
 
 
+# torch elastic's agent (an in-process launcher=torchrun) installs handlers for these and leaves
+# them: the processes a later test starts would inherit another disposition than the worker's.
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2)
+
+
 @pytest.fixture(autouse=True)
 def clean_distributed_env(monkeypatch):
-    """Each test starts outside any job and leaves no process group behind."""
+    """Each test starts outside any job, and leaves no process group and the signal handlers
+    as it found them."""
     for name in DIST_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
+    handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    for signum, handler in handlers.items():
+        if handler is not None:  # None: set outside Python, not ours to restore
+            signal.signal(signum, handler)
 
 
 def start_ranks(fn, args: tuple, nprocs: int = 2, join: bool = True):
