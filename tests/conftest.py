@@ -313,10 +313,6 @@ def _is_xdist_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
-def _is_xdist_controller(config) -> bool:
-    return not _is_xdist_worker(config) and getattr(config.option, "dist", "no") != "no"
-
-
 # torch elastic's agent (an in-process launcher=torchrun) installs handlers for these and leaves
 # them: the processes a later test starts would inherit another disposition than the worker's.
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2)
