@@ -63,12 +63,25 @@ def shipped_node(choices: dict[str, Any], config_name: str | None = "config") ->
                 f"{group}={option} is not an option that Hydra, its plugins or this framework "
                 "ship: Hydra's node may only be composed from those"
             )
-    # Only shipped options pick anything in the shipped files: the node of a run that picks
-    # its own experiment is the node of every other run with the same shipped options.
+    # Only shipped options pick anything in the shipped files, and of those only the ones that
+    # write Hydra's node change it: the node of a run that picks its own experiment, or another
+    # model, is the node of every other run with the same such options (composed once).
     shipped = tuple(
-        (group, option) for group, option in choices.items() if _ships(loader, group, option)
+        (group, option)
+        for group, option in choices.items()
+        if _ships(loader, group, option) and _writes_hydras_node(group, option)
     )
     return copy.deepcopy(_shipped_node(shipped, _job_name(), config_name))
+
+
+@functools.cache
+def _writes_hydras_node(group: str, option: str) -> bool:
+    """An option of one of Hydra's groups, or a shipped option whose file sets `hydra:` (a
+    launcher's). An option it picks in its own defaults list is a choice of its own."""
+    if group.startswith("hydra/"):
+        return True
+    found = _shipped_loader().repository.load_config(f"{group}/{option}")
+    return found is not None and "hydra" in found.config
 
 
 def _job_name() -> str | None:
