@@ -450,10 +450,56 @@ def check_task(task: Task, module: torch.nn.Module, batch: Any, device: torch.de
     module.eval()
     with preserved_rng():
         on_device = to_device(batch, device)
-        task.check(module, on_device)
-        warning = task.undeclared_probabilities(module, on_device)
+        once = OneForwardPerInput(module)
+        task.check(once, on_device)
+        warning = task.undeclared_probabilities(once, on_device)
     module.train()
     return warning
+
+
+class OneForwardPerInput(torch.nn.Module):
+    """The model as the pre-flight check calls it: a call with the very objects an earlier call
+    was given returns a copy of that call's outputs instead of running the model again. The
+    check's looks at the outputs, the loss and evaluate() all feed the model the same batch;
+    under a sharding strategy each forward gathers the whole model. Anything else (a method
+    such as a VAE's decode, .modules()) is the model's own."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.calls: list[tuple[tuple, dict, Any]] = []  # (args, kwargs, outputs), kept alive
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        for seen_args, seen_kwargs, outputs in self.calls:
+            if _same_objects(seen_args, args) and _same_objects(seen_kwargs, kwargs):
+                return _copied(outputs)
+        outputs = self.module(*args, **kwargs)
+        self.calls.append((args, kwargs, outputs))
+        return _copied(outputs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def _same_objects(seen: tuple | dict, given: tuple | dict) -> bool:
+    if isinstance(seen, dict) and isinstance(given, dict):
+        return seen.keys() == given.keys() and all(seen[k] is given[k] for k in seen)
+    return len(seen) == len(given) and all(a is b for a, b in zip(seen, given, strict=True))
+
+
+def _copied(outputs: Any) -> Any:
+    """Tensors cloned (a task may change its outputs in place) in plain dicts, lists and
+    tuples; any other object (a Hugging Face ModelOutput) as it is."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    if type(outputs) is dict:
+        return {key: _copied(value) for key, value in outputs.items()}
+    if type(outputs) in (list, tuple):
+        return type(outputs)(_copied(value) for value in outputs)
+    return outputs
 
 
 def build_optimization(

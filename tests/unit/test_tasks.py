@@ -28,6 +28,7 @@ from framework.components.tasks.base import pack_states, unpack_states
 from framework.config.registry import option_values
 from framework.config.validation import validate
 from framework.core.exits import ConfigError, is_out_of_memory
+from framework.rank.build import OneForwardPerInput, check_task
 from tests.conftest import make_cfg
 
 
@@ -625,3 +626,22 @@ def test_evaluation_states_do_not_depend_on_how_the_items_are_batched(task, mode
         if value.is_floating_point():
             batched = sum(float(part[name]) for part in parts)  # float64, as pack_states adds
             assert batched == pytest.approx(float(value), rel=1e-12, abs=0), name
+
+
+def test_the_pre_flight_check_runs_the_model_once_on_each_batch_it_looks_at():
+    """The loss, evaluate() and the look at the logits all read the first batch; the sum check
+    reads it repeated. One forward each (under a sharding strategy each gathers the whole
+    model), and the outputs a task is given are its own to change."""
+    model = SmallCNN(1, 10, 4)
+    sizes = []
+    model.register_forward_hook(lambda module, args, outputs: sizes.append(len(args[0])))
+    task = Classification(**option_values("task", "classification"))
+    assert check_task(task, model, (images, labels), torch.device("cpu")) is None
+    assert sizes == [len(images), 2 * len(images)]
+
+    once = OneForwardPerInput(model.eval())
+    with torch.no_grad():
+        first = once(images)
+        first.zero_()
+        again = once(images)
+    assert sizes[2:] == [len(images)] and again.abs().sum() > 0
