@@ -178,19 +178,22 @@ def test_a_streamed_run_stopped_by_sigterm_mid_epoch_resumes_with_its_very_next_
 
 
 def test_a_streamed_run_whose_rank_is_sigkilled_restarts_under_torchrun_from_its_position(
-    tmp_path, stream_reference
+    cli, tmp_path, stream_reference
 ):
     """Rank 1 killed at step 11 (mid-epoch 0), its 2 DataLoader workers with it: torchrun
-    restarts both ranks, which go on from the step 8 checkpoint's stream position and end as
-    the uninterrupted run (without workers: the SIGTERM test's resume, from the same rule)."""
+    (launcher=torchrun: its agent here, its workers forked; launchers/torchrun.sh restarts alike,
+    above) restarts both ranks, which go on from the step 8 checkpoint's stream position and end
+    as the uninterrupted run (without workers: the SIGTERM test's resume, from the same rule)."""
     stream_corpus(tmp_path)
     run_dir = tmp_path / "run"
-    result = torchrun_script(
+    result = cli(
         *STREAM_FAULTS,
         "data.num_workers=2",
+        "launcher=torchrun",
+        "launcher.max_restarts=1",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
-        fault="kill:1:11",
+        env={FAULT_ENV: "kill:1:11"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resumed from" in result.stderr and "step_00000008.pt" in result.stderr
