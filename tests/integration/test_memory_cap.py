@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from safetensors.torch import save_file
 
 from framework.core.exits import ExitCode
-from tests.conftest import REPO, make_cfg, read_metrics, run_cli
+from tests.conftest import REPO, make_cfg, read_metrics
 from tests.faults import MEMORY_CAP_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -32,9 +32,9 @@ MIB = 2**20
 
 
 def test_a_model_over_one_ranks_memory_fails_under_ddp_and_trains_under_fsdp_on_four(tmp_path, cli):
-    env = {MEMORY_CAP_ENV: str(CAP_MIB), "OMP_NUM_THREADS": "1"}
+    env = {MEMORY_CAP_ENV: str(CAP_MIB), "OMP_NUM_THREADS": None}
     # Two ranks, each out of memory at the same step: the command says it once.
-    ddp = run_cli(
+    ddp = cli(
         *CAPPED_RUN,
         "strategy=ddp",
         "launcher.nproc_per_node=2",
@@ -131,13 +131,12 @@ def test_a_file_too_large_for_one_capped_rank_fine_tunes_under_fsdp_each_rank_re
     del tensors
     from_file = (*FILE_RUN, "init=file", f"init.path={path}")
 
-    ddp = run_cli(
+    ddp = cli(
         *from_file,
         "strategy=ddp",
-        "launcher.nproc_per_node=1",
         f"hydra.run.dir={tmp_path / 'ddp'}",
         cwd=tmp_path,
-        env={MEMORY_CAP_ENV: str(FILE_CAP_MIB), "OMP_NUM_THREADS": "1"},
+        env={MEMORY_CAP_ENV: str(FILE_CAP_MIB), "OMP_NUM_THREADS": None},
     )
     assert ddp.returncode == ExitCode.CONFIG_REJECTED, ddp.stderr[-3000:]
     (line,) = ddp.stderr.strip().splitlines()
