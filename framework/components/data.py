@@ -542,14 +542,24 @@ def eval_loader(
 def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
     """A batch of any nesting (tensors in tuples, lists, dicts) on `device`; 4-D floating
     tensors (images) go channels-last when asked (trainer.channels_last)."""
-    if isinstance(batch, torch.Tensor):
-        if channels_last and batch.dim() == 4 and batch.is_floating_point():
-            return batch.to(device, non_blocking=True, memory_format=torch.channels_last)
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device, channels_last) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(v, device, channels_last) for v in batch))
-    if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(to_device(v, device, channels_last) for v in batch)
-    return batch
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if channels_last and tensor.dim() == 4 and tensor.is_floating_point():
+            return tensor.to(device, non_blocking=True, memory_format=torch.channels_last)
+        return tensor.to(device, non_blocking=True)
+
+    return map_tensors(batch, move)
+
+
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`fn` of every tensor in a nest of tuples, lists and dicts (their own types rebuilt);
+    anything else as it is."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        return type(tree)({k: map_tensors(v, fn) for k, v in tree.items()})
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
+        return type(tree)(*(map_tensors(v, fn) for v in tree))
+    if isinstance(tree, Sequence) and not isinstance(tree, str):
+        return type(tree)(map_tensors(v, fn) for v in tree)
+    return tree

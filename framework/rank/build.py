@@ -34,7 +34,14 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import framework
-from framework.components.data import Loaders, Splits, build_loaders, load_splits, to_device
+from framework.components.data import (
+    Loaders,
+    Splits,
+    build_loaders,
+    load_splits,
+    map_tensors,
+    to_device,
+)
 from framework.components.ema import EMA
 from framework.components.initial_weights import LoadPlan
 from framework.components.optim import build_optimizer, describe_groups, freeze, scaled_lr
@@ -459,47 +466,27 @@ def check_task(task: Task, module: torch.nn.Module, batch: Any, device: torch.de
 
 class OneForwardPerInput(torch.nn.Module):
     """The model as the pre-flight check calls it: a call with the very objects an earlier call
-    was given returns a copy of that call's outputs instead of running the model again. The
-    check's looks at the outputs, the loss and evaluate() all feed the model the same batch;
-    under a sharding strategy each forward gathers the whole model. Anything else (a method
-    such as a VAE's decode, .modules()) is the model's own."""
+    was given returns a copy of that call's outputs instead of running the model again (a task
+    may change its outputs in place). The check's looks at the outputs, the loss and evaluate()
+    all feed the model the same batch; under a sharding strategy each forward gathers the whole
+    model. Anything else (a method such as a VAE's decode, .modules()) is the model's own."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
         self.module = module
-        self.calls: list[tuple[tuple, dict, Any]] = []  # (args, kwargs, outputs), kept alive
+        self.calls: dict[tuple, tuple[tuple, dict, Any]] = {}  # ids -> (args, kwargs, outputs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        for seen_args, seen_kwargs, outputs in self.calls:
-            if _same_objects(seen_args, args) and _same_objects(seen_kwargs, kwargs):
-                return _copied(outputs)
-        outputs = self.module(*args, **kwargs)
-        self.calls.append((args, kwargs, outputs))
-        return _copied(outputs)
+        ids = (*map(id, args), *((name, id(value)) for name, value in kwargs.items()))
+        if ids not in self.calls:  # the inputs are kept with the outputs: their ids stay theirs
+            self.calls[ids] = (args, kwargs, self.module(*args, **kwargs))
+        return map_tensors(self.calls[ids][2], torch.Tensor.clone)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.module, name)
-
-
-def _same_objects(seen: tuple | dict, given: tuple | dict) -> bool:
-    if isinstance(seen, dict) and isinstance(given, dict):
-        return seen.keys() == given.keys() and all(seen[k] is given[k] for k in seen)
-    return len(seen) == len(given) and all(a is b for a, b in zip(seen, given, strict=True))
-
-
-def _copied(outputs: Any) -> Any:
-    """Tensors cloned (a task may change its outputs in place) in plain dicts, lists and
-    tuples; any other object (a Hugging Face ModelOutput) as it is."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.clone()
-    if type(outputs) is dict:
-        return {key: _copied(value) for key, value in outputs.items()}
-    if type(outputs) in (list, tuple):
-        return type(outputs)(_copied(value) for value in outputs)
-    return outputs
 
 
 def build_optimization(
