@@ -96,14 +96,23 @@ def initial_weights_path(cfg: DictConfig) -> str | None:
 
 
 def initial_weights_exist(cfg: DictConfig) -> str | None:
-    """Read only, never written; what it holds is judged by the trial (which reads it)."""
+    """Read only, never written; what it holds is judged by the trial (which reads it). Said
+    here for a run in a new dir; where the dir exists (a resume reads no init file: its
+    checkpoint holds the weights), or where Hydra's node is gone (a job, a SLURM task), the
+    trial judges, knowing whether the ranks will read it (launch/trial.py)."""
     path = initial_weights_path(cfg)
-    if path is None or os.path.exists(Path(path).expanduser()):
+    if path is None or os.path.exists(Path(path).expanduser()) or not _in_a_new_dir(cfg):
         return None
     return (
         f"init.path={path} does not exist: give a .safetensors file, a folder of them "
         "(Hugging Face's layout), or a checkpoint (<run dir>/checkpoints/last.pt)"
     )
+
+
+def _in_a_new_dir(cfg: DictConfig) -> bool:
+    multirun = OmegaConf.select(cfg, "hydra.mode") == RunMode.MULTIRUN
+    folder = OmegaConf.select(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
+    return folder is not None and not os.path.exists(Path(folder).expanduser())
 
 
 def an_estimate_is_one_config(cfg: DictConfig) -> str | None:

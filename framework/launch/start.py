@@ -82,17 +82,17 @@ def start(how: Start, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
         return external_rank(cfg, run_dir)
     if how is Start.IN_PROCESS:
-        try_here(cfg, world_size=1)
+        try_here(cfg, 1, run_dir)
         from framework.launch.rank_entry import enter_rank  # a rank, as above
 
         return enter_rank(cfg, run_dir, DistEnv(), own_process=False)
     if how is Start.TORCHRUN_AGENT:
-        try_in_a_fork(cfg, min(world_sizes(cfg)[0]))  # (an elastic range: its fewest)
+        try_in_a_fork(cfg, min(world_sizes(cfg)[0]), run_dir)  # (an elastic range: its fewest)
         from framework.launch.torchrun.agent import launch_elastic  # torch.distributed, as above
 
         launch_elastic(cfg, run_dir)
     else:
-        try_in_a_fork(cfg, cfg.launcher.nproc_per_node)
+        try_in_a_fork(cfg, cfg.launcher.nproc_per_node, run_dir)
         from framework.launch.local.launcher import launch_local  # torch.distributed, as above
 
         launch_local(cfg, run_dir, cfg.launcher.nproc_per_node)

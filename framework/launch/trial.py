@@ -7,27 +7,36 @@ from __future__ import annotations
 
 import multiprocessing
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from omegaconf import DictConfig
 
 from framework.core.exits import Rejected, WorkerFailed
 from framework.launch import forked, forkserver
+from framework.storage.files import is_throwaway
+from framework.storage.run_dir import RunDir
 
 
-def try_here(cfg: DictConfig, world_size: int) -> None:
+def try_here(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
     """The trial in this process (a rank to be, which imports the training stack anyway)."""
     from framework.rank.preflight import preflight  # (the training stack: torch)
 
-    preflight(cfg, world_size)
+    preflight(cfg, world_size, reads_initial_weights(cfg, run_dir))
 
 
-def try_in_a_fork(cfg: DictConfig, world_size: int) -> None:
+def reads_initial_weights(cfg: DictConfig, run_dir: Path) -> bool:
+    """Whether the ranks will read init's file: not where they resume a checkpoint, nor in a
+    follower of an external torchrun (a throwaway dir: it runs rank 0's config, tried there)."""
+    return not (is_throwaway(run_dir) or RunDir(run_dir).resumes_a_checkpoint(cfg))
+
+
+def try_in_a_fork(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
     """The trial in a process forked from the fork server; raises what it found."""
     context = multiprocessing.get_context(forkserver.START_METHOD)
     receiving, sending = context.Pipe(duplex=False)
     trial = context.Process(
         target=_trial,
-        args=(cfg, world_size, sending, *forked.launcher_context()),
+        args=(cfg, world_size, run_dir, sending, *forked.launcher_context()),
         name="trial",
     )
     trial.start()
@@ -46,6 +55,7 @@ def try_in_a_fork(cfg: DictConfig, world_size: int) -> None:
 def _trial(
     cfg: DictConfig,
     world_size: int,
+    run_dir: Path,
     sending: Connection,
     environ: dict[str, str],
     cwd: str,
@@ -53,7 +63,7 @@ def _trial(
 ) -> None:
     forked.adopt(environ, cwd, stdio)
     try:
-        try_here(cfg, world_size)
+        try_here(cfg, world_size, run_dir)
     except Rejected as refusal:  # a setting, or a file a setting names (init.path)
         sending.send(refusal)
         return

@@ -82,7 +82,6 @@ class Parts:
     train_batch: Any  # the first training batch: the pre-flight check and the FLOPs count
     global_batch_size: int
     total_steps: int
-    initial: LoadPlan | None = None  # the file the weights came from (init=file)
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,6 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
         train_batch = first_batch(splits.train, loaders.train.batch_size, loaders.train.collate_fn)
         if (warning := check_task(task, model.module, train_batch, device)) and env.is_main:
             log.warning(warning)
-    initial = load_initial_weights(cfg.init, model)
     startup_clock.mark("model")
     return Parts(
         trainer=trainer,
@@ -143,7 +141,6 @@ def build_parts(cfg: DictConfig, env: DistEnv, device: torch.device) -> Parts:
         train_batch=train_batch,
         global_batch_size=global_batch_size,
         total_steps=total_steps,
-        initial=initial,
     )
 
 
@@ -156,7 +153,8 @@ def initial_plan(init_cfg: DictConfig, module: torch.nn.Module) -> LoadPlan | No
 
 
 def load_initial_weights(init_cfg: DictConfig, model: Model) -> LoadPlan | None:
-    """The weights training starts from, into the model and its EMA on every rank."""
+    """The weights a run that starts afresh (or mode=eval) begins with, into the model and its
+    EMA on every rank. A resume reads none: its checkpoint holds the weights."""
     plan = initial_plan(init_cfg, model.module)
     if plan is None:
         return None

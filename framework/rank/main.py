@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from framework.components.data import epoch_coverage
+from framework.components.initial_weights import LoadPlan
 from framework.components.loggers import (
     build_sink,
     drop_held_console,
@@ -47,6 +48,7 @@ from framework.rank.build import (
     build_parts,
     build_training,
     compiled,
+    load_initial_weights,
     seed_everything,
     step_limit,
 )
@@ -116,10 +118,8 @@ def build_and_run(
     DDP sits in reference cycles, which nothing collects before a rank's process leaves; a
     collection here would also shut down persistent DataLoader workers (15 s: three joins)."""
     parts = build_parts(cfg, env, device)
-    if cfg.mode == "eval" and parts.initial is not None:
-        return evaluate_initial_weights(
-            parts, eval_request(cfg, parts.initial.source.path), run, env
-        )
+    if cfg.mode == "eval" and (initial := load_initial_weights(cfg.init, parts.model)):
+        return evaluate_initial_weights(parts, eval_request(cfg, initial.source.path), run, env)
     if cfg.mode == "eval":
         return evaluate_checkpoint(parts, eval_request(cfg), run, env)
     return train(cfg, parts, run, env, backend, requests)
@@ -222,12 +222,15 @@ def open_run(cfg: DictConfig, parts: Parts, run: RunDir, env: DistEnv) -> Opened
     if resumed and is_complete(resumed[1], parts.total_steps) and run.summary.exists():
         log_already_complete(run, resumed[1], parts)
         return None
+    # Read only where the run starts afresh: a resume's weights are its checkpoint's, and the
+    # file may be gone by then (a requeued job's scratch space).
+    initial = None if resumed else load_initial_weights(cfg.init, parts.model)
     steps = schedule_steps(resumed, parts.total_steps, env)
     optimization = build_optimization(cfg, env, parts, steps)
     parts = dataclasses.replace(parts, model=compiled(parts.model, parts.trainer.compile))
     if env.is_main:
         accept_run(run, record, kept_step=resumed[1]["step"] if resumed else 0)
-        record_initial_weights(run, parts, resumed is not None)
+        record_initial_weights(run, initial, cfg.init.get("path") if resumed else None)
     sink = build_sink(
         env.is_main,
         cfg.logger,
@@ -329,17 +332,13 @@ def schedule_steps(
     return total_steps
 
 
-def record_initial_weights(run: RunDir, parts: Parts, resumed: bool) -> None:
+def record_initial_weights(run: RunDir, initial: LoadPlan | None, unread: str | None) -> None:
     """init.json names the file the weights came from and its checksums, once: a resume
-    continues from its checkpoint's weights (and needs no init.path)."""
-    if parts.initial is None:
-        return
-    if resumed:
-        log.info(
-            "init: %s not used: the checkpoint resumed holds the weights", parts.initial.source.path
-        )
-        return
-    run.save_init_record(file_record(parts.initial.source))
+    continues from its checkpoint's weights and leaves `unread` (init.path) unread."""
+    if unread is not None:
+        log.info("init: %s not read: the checkpoint resumed holds the weights", unread)
+    if initial is not None:
+        run.save_init_record(file_record(initial.source))
 
 
 def accept_run(run: RunDir, record: dict[str, Any], kept_step: int) -> None:

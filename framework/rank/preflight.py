@@ -44,10 +44,11 @@ from framework.rank.build import (
 )
 
 
-def preflight(cfg: DictConfig, world_size: int) -> None:
+def preflight(cfg: DictConfig, world_size: int, reads_initial_weights: bool = True) -> None:
     """Build every part of `cfg` as rank 0 of `world_size` ranks would, and run one micro-batch
     through the model and the task. Raises ConfigError (one line) for the first part that
-    refuses its settings or does not fit."""
+    refuses its settings or does not fit. `reads_initial_weights`: False for a resume, whose
+    ranks take the weights from its checkpoint, not from init's file."""
     env = DistEnv(world_size=world_size, local_world_size=world_size, source="trial")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with preserved_rng():
@@ -69,7 +70,8 @@ def preflight(cfg: DictConfig, world_size: int) -> None:
             frozen = cfg.optimizer.freeze
             module, recipe = strategy.build(lambda: freeze(built("model", cfg.model), frozen), env)
             strategy.block_names(module)  # what it shards (or checkpoints) is the model's
-            initial_plan(cfg.init, module)  # the weights it starts from fit it
+            if reads_initial_weights:
+                initial_plan(cfg.init, module)  # the weights it starts from fit it
             if recipe is None:
                 check_task(task, module.to(device), trial_batch, device)
             else:

@@ -140,6 +140,13 @@ class RunDir:
             return True
         return not self.summary.exists() and self.started_by(overrides)
 
+    def resumes_a_checkpoint(self, cfg: DictConfig) -> bool:
+        """Training goes on from a checkpoint: the one checkpoint.resume names, else this
+        dir's own (a resume, a restart, a requeued job)."""
+        if cfg.mode != "train" or cfg.checkpoint.resume == "never":
+            return False
+        return cfg.checkpoint.resume != "auto" or bool(step_files(self.checkpoints))
+
     def started_by(self, overrides: list[str] | None) -> bool:
         """Whether the record of the command that started this dir's run holds `overrides`."""
         recorded = self.record / "overrides.yaml"

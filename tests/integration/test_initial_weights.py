@@ -85,13 +85,28 @@ def test_a_run_from_a_file_records_it_and_resumes_without_it(cli, tmp_path, trai
         "train/loss"
     ]
     assert first != first_fresh
-    path.unlink()  # a resume takes the weights from its checkpoint
+    # A resume takes the weights from its checkpoint: the file is read by no check and no rank
+    # (the same command goes on after it is gone, as a requeued job does), nor named again.
+    path.unlink()
+    same = (*TINY[:1], "model.width=4", f"hydra.run.dir={run}", "init=file", f"init.path={path}")
+    resumed = cli(*same, "trainer.max_steps=4", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"init: {path} not read: the checkpoint resumed holds the weights" in resumed.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
     resumed = cli(
-        *args[:1], "trainer.max_steps=4", "model.width=4", f"hydra.run.dir={run}", cwd=tmp_path
+        *args[:1], "trainer.max_steps=6", "model.width=4", f"hydra.run.dir={run}", cwd=tmp_path
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
     assert json.loads((run / "init.json").read_text()) == record
+    # In a new dir the file must be there, said before anything starts.
+    result = cli(*args[:1], "init=file", f"init.path={path}", cwd=tmp_path)
+    assert result.returncode == ExitCode.CONFIG_REJECTED
+    assert result.stderr.strip().splitlines() == [
+        f"error: init.path={path} does not exist: give a .safetensors file, a folder of them "
+        "(Hugging Face's layout), or a checkpoint (<run dir>/checkpoints/last.pt)"
+    ]
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_a_file_that_does_not_fit_is_one_line_naming_each_mismatch_before_training(

@@ -59,7 +59,7 @@ def task_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
     submitit's signal goes to submitit to requeue."""
     env = task_env(cfg.launcher)
     if not env.is_main:
-        try_here(cfg, env.world_size)  # (refused alike on rank 0, which says it)
+        try_here(cfg, env.world_size, run_dir)  # (refused alike on rank 0, which says it)
         # Exit 0 after a stop: a non-zero exit could make srun kill rank 0 (KillOnBadExit)
         # before it has saved and requeued. Rank 0 speaks for the job.
         result = enter_rank(cfg, run_dir, env, stop_exit_code=0)
@@ -69,7 +69,7 @@ def task_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
         gc.disable()
         return result
     try:
-        try_here(cfg, env.world_size)
+        try_here(cfg, env.world_size, run_dir)
         summary = enter_rank(cfg, run_dir, env, own_process=False)
         gc.disable()  # (as above)
         # submitit still writes the JobReturn; then leave without the interpreter's shutdown

@@ -24,7 +24,7 @@ def external_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
         shutil.rmtree(run_dir, ignore_errors=True)
     env = launch_context.current().dist_env()
     try:
-        try_here(cfg, env.world_size)  # every rank, each of its own composition, alike
+        try_here(cfg, env.world_size, run_dir)  # every rank, each of its own composition, alike
         return enter_rank(cfg, run_dir, env)
     except SystemExit as exit_:
         if exit_.code == ExitCode.CONFIG_REJECTED:
