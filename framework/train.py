@@ -18,9 +18,8 @@ import argparse
 import contextlib
 import gc
 import os
-import shutil
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import get_args_parser
@@ -74,24 +73,18 @@ def _main() -> None:
 
         leave_with(os.getppid())  # its agent
     forkserver.warm_up_if_forking(sys.argv[1:])  # (already running when cli.py started it)
-    try:
-        command, hydra, composition = checked(sys.argv[1:])
-        answer = _answer(command, hydra, composition)
-    except ConfigError as error:
-        end(error, rank=here.global_rank())  # under torchrun rank 0 says it once
-    if answer is not None:
-        sys.stdout.write(answer)
-        return
-    gc.enable()  # paused by cli.py until the config has passed its checks
-    sys.argv[1:] = command.argv  # what W&B records: secrets as ${oc.env:NAME}
-    cleanup_dir = None
-    if here.is_follower and isinstance(here, launch_context.TorchElastic) and composition:
-        cleanup_dir = composition.cfg.hydra.run.dir  # a throwaway dir (_follower_overrides)
-    try:
+    with follower_overrides(here) as overrides:
+        try:
+            command, hydra, composition = checked([*sys.argv[1:], *overrides])
+            answer = _answer(command, hydra, composition)
+        except ConfigError as error:
+            end(error, rank=here.global_rank())  # under torchrun rank 0 says it once
+        if answer is not None:
+            sys.stdout.write(answer)
+            return
+        gc.enable()  # paused by cli.py until the config has passed its checks
+        sys.argv[1:] = command.argv  # what W&B records: secrets as ${oc.env:NAME}
         _run(command, hydra, composition)
-    finally:
-        if cleanup_dir is not None:
-            shutil.rmtree(cleanup_dir, ignore_errors=True)
     if isinstance(here, launch_context.TorchElastic):  # a rank in a process of its own
         from framework.launch.rank_entry import exit_now  # (a rank: the stack is imported)
 
@@ -104,7 +97,7 @@ def checked(
     """The command read, its config composed once and checked: everything `train` does before
     Hydra runs anything. Raises ConfigError for a mistake."""
     here = launch_context.current()
-    command = read_command_line([*argv, *_follower_overrides(here)], environ)
+    command = read_command_line(argv, environ)
     if command.record is not None and here.global_rank() == 0:
         print(_adopted_line(command), file=sys.stderr)
     loader = OnceLoader(search_path(command.args), check_sweep_job)
@@ -116,14 +109,17 @@ def checked(
     return command, hydra, composition
 
 
-def _follower_overrides(here: launch_context.LaunchContext) -> list[str]:
+@contextlib.contextmanager
+def follower_overrides(here: launch_context.LaunchContext) -> Iterator[list[str]]:
     """Ranks > 0 of an external torchrun compose the same config but run rank 0's: Hydra gets a
     throwaway dir, and no record of the job is written."""
     if not (here.is_follower and isinstance(here, launch_context.TorchElastic)):
-        return []
+        yield []
+        return
     from framework.storage.files import throwaway_dir  # (a follower's alone)
 
-    return [f"hydra.run.dir={throwaway_dir()}", "hydra.callbacks.run_dir.output_subdir=null"]
+    with throwaway_dir() as folder:
+        yield [f"hydra.run.dir={folder}", "hydra.callbacks.run_dir.output_subdir=null"]
 
 
 def _adopted_line(command: CommandLine) -> str:

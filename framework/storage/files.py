@@ -3,10 +3,13 @@ checkpoints: what reading or preparing a run dir needs, without the training sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +17,23 @@ STEP_FILE = re.compile(r"^step_(\d+)\.(?:pt|dcp)$")
 THROWAWAY_PREFIX = "framework-rank"  # the temporary Hydra dir of torchrun ranks > 0
 
 
-def throwaway_dir() -> Path:
-    """Hydra's dir for a torchrun rank > 0, which adopts rank 0's run dir: removed again once
-    the rank has it (so a rank killed later leaves nothing behind)."""
-    return Path(tempfile.mkdtemp(prefix=THROWAWAY_PREFIX))
+@contextlib.contextmanager
+def throwaway_dir() -> Iterator[Path]:
+    """Hydra's dir for a torchrun rank > 0, which adopts rank 0's run dir: removed once the rank
+    has it (a rank killed later leaves nothing behind), and however the process leaves before:
+    refused, or stopped by torchrun's agent (SIGTERM) when rank 0 refused or failed."""
+    folder = Path(tempfile.mkdtemp(prefix=THROWAWAY_PREFIX))
+
+    def removed_then_default(signum: int, _frame: object) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, removed_then_default)  # (a rank's own stop replaces it)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def is_throwaway(path: Path) -> bool:

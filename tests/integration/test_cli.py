@@ -70,9 +70,10 @@ def test_default_experiment_reaches_95_percent_in_a_minute_only_rank_0_writes_to
     assert not any(key.startswith("module.") for key in final["model"])
 
 
-def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(cli, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
-    torchrun = subprocess.run(
+def external_torchrun(*args: str, cwd: Path, env: dict | None = None):
+    """`torchrun --nproc_per_node=2 -m framework.train ARGS`, as a user types it."""
+    environ = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -82,14 +83,18 @@ def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(cl
             "--rdzv-endpoint=localhost:0",
             "-m",
             "framework.train",
-            *QUICK,
+            *args,
         ],
-        cwd=tmp_path / ".." / tmp_path.name,
-        env=env,
+        cwd=cwd,
+        env={**environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(cli, tmp_path):
+    torchrun = external_torchrun(*QUICK, cwd=tmp_path / ".." / tmp_path.name)
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     [torchrun_dir] = run_dirs(tmp_path)  # one dir although both ranks entered the Hydra app
     assert not list(Path("/tmp").glob("framework-rank*"))  # rank 1's throwaway dir is gone
@@ -98,6 +103,22 @@ def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(cl
     result = cli(*QUICK, f"hydra.run.dir={local}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert train_losses(torchrun_dir) == train_losses(local)
+
+
+def test_a_start_only_rank_0_refuses_leaves_no_dir_of_the_other_ranks(tmp_path):
+    """A missing init file in a new run dir is rank 0's to refuse: a rank > 0 (a throwaway
+    Hydra dir) cannot tell whether rank 0 resumes, so it goes on until torchrun's agent stops
+    it (SIGTERM). Its throwaway dir goes with it."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    missing = tmp_path / "gone.safetensors"
+    result = external_torchrun(
+        *QUICK, "init=file", f"init.path={missing}", cwd=tmp_path, env={"TMPDIR": str(temp)}
+    )
+    assert result.returncode != 0
+    assert f"error: init.path={missing} does not exist" in result.stderr
+    assert not list(temp.glob("framework-rank*"))  # (torchelastic_*: the user's torchrun's)
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_wandb_offline_makes_exactly_one_run_with_the_metrics(cli, tmp_path):
