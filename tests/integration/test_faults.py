@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -358,6 +360,8 @@ def test_ranks_stop_and_save_when_train_is_sigkilled(tmp_path, launcher):
     seconds, stop as on SIGTERM (saving), and leave (framework/launch/launcher_watch.py), their
     DataLoader workers with them."""
     run_dir = tmp_path / "run"
+    # (short: the fork server's socket lives in it, and a socket's path has at most 107 bytes)
+    temp = Path(tempfile.mkdtemp(prefix="faults-"))
     try:
         result = run_cli(
             *FAULTS,
@@ -366,12 +370,15 @@ def test_ranks_stop_and_save_when_train_is_sigkilled(tmp_path, launcher):
             f"launcher={launcher}",
             f"hydra.run.dir={run_dir}",
             cwd=tmp_path,
-            env={FAULT_ENV: "parent-SIGKILL:0:5"},
+            env={FAULT_ENV: "parent-SIGKILL:0:5", "TMPDIR": str(temp)},
             timeout=120,  # the ranks hold its output pipes: it returns once they are gone
         )
     finally:
         assert_no_process_left_within(20, tmp_path)
+        left_in_temp = [p.name for p in temp.iterdir() if "elastic" in p.name]
+        shutil.rmtree(temp)
     assert result.returncode == -9
+    assert not left_in_temp  # (the agent's logs)
     assert "the launcher (pid" in result.stderr and "is gone" in result.stderr
     step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
     assert 5 <= step < 200000

@@ -61,8 +61,9 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
     min_nodes, max_nodes = node_range(launcher.nnodes)
     # Restarted rounds re-create the store; sharing torchrun's store made gloo reconnects flaky.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # The agent's own log folder (it would leave torchelastic_* in the temp dir): removed after.
-    agent_logs = tempfile.mkdtemp(prefix="framework-elastic-")
+    # The agent's own log folder (torchelastic_* in the temp dir by default), in the run dir:
+    # removed after, and where the launcher is SIGKILLed it stays with the run, not in /tmp.
+    agent_logs = tempfile.mkdtemp(prefix=".elastic-", dir=run_dir)
     config = launch_config(cfg, run_dir, agent_logs)
     try:
         forkserver.warm_up()  # (already running when `train` started it)
