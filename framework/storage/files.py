@@ -29,10 +29,11 @@ def throwaway_dir() -> Iterator[Path]:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
-    signal.signal(signal.SIGTERM, removed_then_default)  # (a rank's own stop replaces it)
+    before = signal.signal(signal.SIGTERM, removed_then_default)  # (a rank's stop replaces it)
     try:
         yield folder
     finally:
+        signal.signal(signal.SIGTERM, before)
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import socket
 import tempfile
 from pathlib import Path
@@ -301,15 +302,18 @@ def test_a_refused_start_in_the_empty_working_dir_empties_it_again(tmp_path, mon
 
 
 # --- torchrun ranks > 0 ----------------------------------------------------------------------
-def test_a_throwaway_dir_is_a_new_temporary_dir_recognised_as_one(tmp_path):
-    first, second = throwaway_dir(), throwaway_dir()
-    try:
+def test_a_throwaway_dir_is_a_new_temporary_dir_recognised_as_one_and_gone_after(tmp_path):
+    handler = signal.getsignal(signal.SIGTERM)
+    with throwaway_dir() as first, throwaway_dir() as second:
         assert first != second and first.is_dir() and list(first.iterdir()) == []
         assert first.parent == Path(tempfile.gettempdir())
         assert is_throwaway(first) and is_throwaway(second)
-    finally:
-        first.rmdir()
-        second.rmdir()
+        (first / "what Hydra wrote").write_text("")
+    assert not first.exists() and not second.exists()
+    with pytest.raises(SystemExit), throwaway_dir() as refused:  # a refused config's exit
+        raise SystemExit(2)
+    assert not refused.exists()
+    assert signal.getsignal(signal.SIGTERM) == handler  # this process's, as it was
     assert not is_throwaway(tmp_path / "outputs" / "12-00-00")
     assert not is_throwaway(Path("/tmp/framework-rank-dir/run"))
 
