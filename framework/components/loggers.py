@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 import json
 import logging
 import logging.handlers
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +31,7 @@ from omegaconf import DictConfig
 
 from framework.config.validation import file_name_problem, tracking_uri_problem
 from framework.core.exits import ConfigError, first_line
+from framework.core.leaving import when_leaving
 from framework.core.secrets import install_log_scrubbing, known_secrets, scrub
 from framework.storage.run_dir import RunDir
 
@@ -73,6 +77,22 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
         and isinstance(value, int | float)
         and not isinstance(value, bool)
     }
+
+
+@contextlib.contextmanager
+def _temp_folder_of_this_process() -> Iterator[None]:
+    """W&B makes temp folders as it is imported and leaves their removal to the interpreter's
+    shutdown, which a rank skips (exit_now): they go in one removed as the process leaves."""
+    if "wandb" in sys.modules:  # (imported before: its folders exist)
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="framework-wandb-")
+    when_leaving(functools.partial(shutil.rmtree, folder, ignore_errors=True))
+    before, tempfile.tempdir = tempfile.tempdir, folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
 
 
 def _run_dir(run: Any) -> RunDir:
@@ -154,7 +174,8 @@ class WandbSink(_Guarded):
         resume_id: str | None = None,
         resume_step: int = 0,
     ) -> None:
-        import wandb  # imported here: costs ~1 s and only rank 0 with logger=wandb needs it
+        with _temp_folder_of_this_process():
+            import wandb  # imported here: costs ~1 s and only rank 0 with logger=wandb needs it
 
         run = _run_dir(run)
 

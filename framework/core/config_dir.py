@@ -1,19 +1,19 @@
-"""Where the shipped config groups are, and which of the files there the framework shipped:
-those whose content is the content recorded in conf/SHA256SUMS (made when the files change, by
-`python -m framework.core.config_dir`, and compared with git by a test). A file added to conf/
-or experiments/, or one edited there, is the user's (or a colleague's): trusted by nothing a
-shipped file is trusted by. Found without importing anything heavy (the starter,
-framework/starter/create.py, reads them too)."""
+"""Where the shipped config groups are, and which files there the framework shipped: those whose
+content is recorded in conf/SHA256SUMS (written by `python -m framework.core.config_dir` when
+the files change; a test compares it with git). A file added to conf/ or experiments/, or edited
+there, is the user's (or a colleague's): trusted by nothing a shipped file is trusted by. Found
+without importing anything heavy (the starter, framework/starter/create.py, reads them too)."""
 
 from __future__ import annotations
 
-import atexit
 import functools
 import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from framework.core.leaving import when_leaving
 
 
 def _conf_dir() -> Path:
@@ -74,31 +74,19 @@ def is_shipped(path: Path) -> bool:
 
 @functools.cache
 def shipped_conf_dir() -> Path | None:
-    """A folder holding the shipped files alone: CONF_DIR itself when nothing there was added
-    or edited, else a copy of what still is as shipped (removed at exit: remove_shipped_copy).
-    None when the primary config itself is not the shipped one."""
+    """A folder of the shipped files alone: CONF_DIR when nothing there was added or edited, else
+    a copy of them, removed as the process leaves; None when the primary config is not shipped."""
     shipped = shipped_files()
     if PRIMARY not in shipped:
         return None
     if shipped.keys() == present_files().keys():
         return CONF_DIR
     copy = Path(tempfile.mkdtemp(prefix="framework-shipped-conf-"))
-    _COPIES.append(copy)
-    atexit.register(remove_shipped_copy)
+    when_leaving(functools.partial(shutil.rmtree, copy, ignore_errors=True))
     for name, path in shipped.items():
         (copy / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, copy / name)
     return copy
-
-
-_COPIES: list[Path] = []
-
-
-def remove_shipped_copy() -> None:
-    """The copy shipped_conf_dir made, removed as the process leaves: at exit, or by a rank
-    that leaves without the interpreter's shutdown (launch/rank_entry.py's exit_now)."""
-    while _COPIES:
-        shutil.rmtree(_COPIES.pop(), ignore_errors=True)
 
 
 def write_manifest() -> None:

@@ -11,7 +11,6 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
-from framework.core.config_dir import remove_shipped_copy
 from framework.core.exits import (
     ExitCode,
     Outcome,
@@ -24,6 +23,7 @@ from framework.core.exits import (
     outcome_of,
 )
 from framework.core.launch_context import DistEnv
+from framework.core.leaving import run_leaving_tasks
 from framework.core.secrets import scrubbed_console
 from framework.launch.failure_store import tell_launcher
 from framework.rank.main import rank_main
@@ -98,7 +98,7 @@ def exit_now(code: int) -> NoReturn:
     called without an active exception": a core dump showed it, in about 1 of 15 external
     torchrun runs here). The run's files are closed by now (sinks close in `finally`); streams
     and log handlers are flushed."""
-    remove_shipped_copy()  # (what runs at exit)
+    run_leaving_tasks()  # (what the shutdown would have run)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
