@@ -73,7 +73,7 @@ def _main() -> None:
 
         leave_with(os.getppid())  # its agent
     forkserver.warm_up_if_forking(sys.argv[1:])  # (already running when cli.py started it)
-    with follower_overrides(here) as overrides:
+    with _follower_overrides(here) as overrides:
         try:
             command, hydra, composition = checked([*sys.argv[1:], *overrides])
             answer = _answer(command, hydra, composition)
@@ -110,7 +110,7 @@ def checked(
 
 
 @contextlib.contextmanager
-def follower_overrides(here: launch_context.LaunchContext) -> Iterator[list[str]]:
+def _follower_overrides(here: launch_context.LaunchContext) -> Iterator[list[str]]:
     """Ranks > 0 of an external torchrun compose the same config but run rank 0's: Hydra gets a
     throwaway dir, and no record of the job is written."""
     if not (here.is_follower and isinstance(here, launch_context.TorchElastic)):
