@@ -4,8 +4,8 @@ start-up) run beside this process's own (Hydra, the launcher) instead of after t
 runs framework.train.main, which `python -m framework.train` runs directly.
 
 It first refuses a torch or torchvision older than the framework supports (core/versions.py).
-Like `python -m`, it makes the working directory importable: a user project's package beside its
-own conf/ is then found by `_target_` in this process and in every rank, with no PYTHONPATH.
+It makes the working dir importable, last (it shadows nothing installed): a project's package
+beside its own conf/ is then found by `_target_` here and in every rank, with no PYTHONPATH.
 """
 
 from __future__ import annotations

@@ -145,6 +145,17 @@ def train_losses(run_dir: Path) -> list[float]:
     return [event["train/loss"] for event in read_metrics(run_dir) if "train/loss" in event]
 
 
+# A project's files named like modules that Python and torch import (re: in a new interpreter's
+# first lines; numbers and random: later). Every process of a run has the working dir last on its
+# path, so they shadow nothing.
+SHADOWING_MODULE = "the project's own module, imported in place of"
+
+
+def plant_shadowing_modules(folder: Path) -> None:
+    for name in ("re", "numbers", "random"):
+        (folder / f"{name}.py").write_text(f'raise SystemExit("{SHADOWING_MODULE} {name}")\n')
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None):
     """`train ARGS` as a user runs it, in cwd: framework.cli is what the console script runs."""
     full_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
@@ -344,17 +355,15 @@ def start_ranks(fn, args: tuple, nprocs: int = 2, join: bool = True):
     forkserver.warm_up()
     return mp.start_processes(
         _as_launched,
-        args=(*forked.launcher_context(), fn, args),
+        args=(forked.launcher_context(), fn, args),
         nprocs=nprocs,
         join=join,
         start_method=forkserver.START_METHOD,
     )
 
 
-def _as_launched(
-    rank: int, environ: dict[str, str], cwd: str, stdio: list[int], fn, args: tuple
-) -> None:
-    forked.adopt(environ, cwd, stdio)
+def _as_launched(rank: int, launcher: forked.LauncherContext, fn, args: tuple) -> None:
+    forked.adopt(launcher)
     fn(rank, *args)
 
 

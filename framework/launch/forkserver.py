@@ -1,18 +1,15 @@
 """A fork server that has imported the training stack: local ranks start from it in tens of
-milliseconds instead of importing torch, torch._dynamo and the rest from scratch.
-
-The `train` script (framework/cli.py) starts it before importing anything heavy, so its imports
-(about as long as one `import torch._dynamo`) run while this process imports Hydra and composes
-the config; the ranks of launcher=local and launcher=torchrun (the elastic agent's workers) are
-then forked from it, and take over the launcher's environment, working dir and output streams
-(the server's are the ones it started with), keeping what their starter set on top (the
-agent's RANK, WORLD_SIZE, TORCHELASTIC_*...). The launcher process itself never imports the
-training stack (torch._dynamo and what is built on it).
+milliseconds instead of importing torch, torch._dynamo and the rest from scratch. The `train`
+script (framework/cli.py) starts it first, so its imports run while this process imports Hydra
+and composes the config. The ranks of launcher=local and launcher=torchrun are forked from it
+and take over the launcher's environment, working dir, import path and output streams
+(launch/forked.py); the launcher itself never imports the training stack.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -32,8 +29,11 @@ PRELOAD = ["framework.launch.forkserver", "framework.launch.rank_entry", "matplo
 PRUNING_SWEEP = "hydra/sweeper=optuna_prune"
 PRUNING_PRELOAD = ["optuna"]
 # Set in this process's environment only while it starts the fork server: the server finds
-# it when it imports this module (PRELOAD), and no other process does.
-_SERVER_MARK = "FRAMEWORK_FORK_SERVER"
+# them when it imports this module (PRELOAD), and no other process does.
+_SERVER_MARK, _LAUNCHER_PATH = "FRAMEWORK_FORK_SERVER", "FRAMEWORK_FORK_SERVER_PATH"
+# Hydra's flags that print instead of running (-c: --cfg), and the launchers that submit jobs.
+PRINTING_FLAGS = ("--cfg", "--help", "-h", "--info", "--hydra-help", "-c", "--shell-", "-sc")
+SUBMITTING = ("launcher=slurm", "launcher=slurm_local")
 
 
 def _leave_without_teardown() -> None:
@@ -48,6 +48,7 @@ def _leave_without_teardown() -> None:
 
 _launcher = os.environ.pop(_SERVER_MARK, None)  # set, in the server, to the launcher's pid
 if _launcher:
+    sys.path[:] = json.loads(os.environ.pop(_LAUNCHER_PATH))
     # The server ends the moment its launcher does, even in the middle of its imports: a
     # command that refuses its config exits at once, and the server holding its output streams
     # would keep a caller reading them waiting for those imports (seconds). The ranks forked
@@ -62,13 +63,18 @@ SERVER_ENVIRON = dict(os.environ)
 
 
 def warm_up(extra: list[str] | None = None) -> None:
-    """Start the fork server now, in the background (it imports PRELOAD, and `extra`, once)."""
+    """Start the fork server now, in the background (it imports PRELOAD, and `extra`, once),
+    with this process's import path: as `python -P -c`, since `python -c` would import a
+    project's own `random` or `re` from the working dir ahead of Python's."""
     multiprocessing.set_forkserver_preload([*PRELOAD, *(extra or [])])
-    os.environ[_SERVER_MARK] = str(os.getpid())
+    marks = {_SERVER_MARK: str(os.getpid()), _LAUNCHER_PATH: json.dumps(sys.path)}
+    marks.update({} if os.environ.get("PYTHONSAFEPATH") else {"PYTHONSAFEPATH": "1"})
+    os.environ.update(marks)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        os.environ.pop(_SERVER_MARK, None)
+        for name in marks:
+            os.environ.pop(name, None)
 
 
 def warm_up_if_forking(argv: list[str]) -> None:
@@ -83,13 +89,7 @@ def will_start_local_ranks(argv: list[str]) -> bool:
     """From the command line alone (before Hydra composes): does this command start ranks on
     this machine? Not for a submission to SLURM, one process of the local launcher, or a
     command that prints."""
-    if any(
-        arg.startswith(("--cfg", "--help", "-h", "--info", "--hydra-help", "-c"))
-        or arg in ("--shell-completion", "-sc")
-        for arg in argv
-    ):
-        return False
-    if any(arg in ("launcher=slurm", "launcher=slurm_local") for arg in argv):
+    if any(arg.startswith(PRINTING_FLAGS) or arg in SUBMITTING for arg in argv):
         return False
     # One process under the local launcher; torch's elastic agent forks even one rank per node
     # from the server.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -27,6 +28,9 @@ def hydra_app(cfg: DictConfig) -> float | None:
     dir, held. Returns the objective for a sweeper."""
     here = launch_context.current()
     if isinstance(here, launch_context.SubmititTask):
+        # Started as `python -P` (launch/slurm/sweep.py): the working dir importable last, as
+        # the `train` script makes it.
+        sys.path.append(os.getcwd())
         startup_clock.count_from_this_process()
     startup_clock.mark("compose")
     hydra_cfg = HydraConfig.get()

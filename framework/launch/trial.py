@@ -36,7 +36,7 @@ def try_in_a_fork(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
     receiving, sending = context.Pipe(duplex=False)
     trial = context.Process(
         target=_trial,
-        args=(cfg, world_size, run_dir, sending, *forked.launcher_context()),
+        args=(cfg, world_size, run_dir, sending, forked.launcher_context()),
         name="trial",
     )
     trial.start()
@@ -57,11 +57,9 @@ def _trial(
     world_size: int,
     run_dir: Path,
     sending: Connection,
-    environ: dict[str, str],
-    cwd: str,
-    stdio: list[int],
+    launcher: forked.LauncherContext,
 ) -> None:
-    forked.adopt(environ, cwd, stdio)
+    forked.adopt(launcher)
     try:
         try_here(cfg, world_size, run_dir)
     except Rejected as refusal:  # a setting, or a file a setting names (init.path)

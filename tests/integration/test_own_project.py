@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from framework.components.data import load_splits
 from framework.core.exits import ExitCode
-from tests.conftest import DIST_ENV_VARS
+from tests.conftest import DIST_ENV_VARS, SHADOWING_MODULE, plant_shadowing_modules
 
 LOADER = '''
 import torch
@@ -146,9 +146,11 @@ def test_a_loader_without_kwargs_is_called_with_the_keys_it_names():
 @pytest.mark.slow
 def test_the_projects_own_keys_reach_its_loader_in_two_ranks_without_pythonpath(project):
     """The `train` console script itself (`python -m` would put the working dir on the path
-    anyway): own_pkg imports only because the working dir is the project's. data.size=96 gives
-    64 training samples, 4 steps of 2 ranks x 8 per epoch; the loader takes no **kwargs, so
-    batch_size must not reach it."""
+    anyway): own_pkg imports only because the working dir is the project's, and the project's
+    re.py, numbers.py and random.py are not what the launcher and its ranks import. data.size=96
+    gives 64 training samples, 4 steps of 2 ranks x 8 per epoch; the loader takes no **kwargs,
+    so batch_size must not reach it."""
+    plant_shadowing_modules(project)
     run_dir = project / "run"
     env = {k: v for k, v in os.environ.items() if k not in {*DIST_ENV_VARS, "PYTHONPATH"}}
     command = [
@@ -162,6 +164,7 @@ def test_the_projects_own_keys_reach_its_loader_in_two_ranks_without_pythonpath(
         command, cwd=project, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert SHADOWING_MODULE not in result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["world_size"] == 2
     assert 0 <= summary["val/accuracy"] <= 1
