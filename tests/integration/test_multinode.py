@@ -23,6 +23,7 @@ from tests.conftest import (
     DIST_ENV_VARS,
     FAULTS,
     REPO,
+    plant_shadowing_modules,
     read_metrics,
     train_losses,
     unavailable,
@@ -66,6 +67,9 @@ def two_hosts():
 def test_torchrun_across_two_namespaces_trains_like_a_local_two_rank_job(
     two_hosts, tmp_path, fault_references
 ):
+    """launchers/torchrun.sh on each host, in a working dir whose files are named like modules
+    Python imports: the agents and ranks import Python's."""
+    plant_shadowing_modules(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
     # One thread per rank, as in the local reference (2 ranks sharing 2 cores): more threads
     # change the summation order of some kernels, and the losses in the 7th digit.
