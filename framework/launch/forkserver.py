@@ -14,8 +14,10 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+import tempfile
 
 from framework.core import launch_context
+from framework.core.exits import ConfigError, end
 from framework.core.parent_death import die_with_parent
 
 START_METHOD = "forkserver"
@@ -23,9 +25,8 @@ START_METHOD = "forkserver"
 # the tasks, models and data sets), and the plots rank 0 draws at the end. This module first:
 # its copy of the server's environment is what a rank compares with (adopt).
 PRELOAD = ["framework.launch.forkserver", "framework.launch.rank_entry", "matplotlib.pyplot"]
-# A pruning sweep's rank 0 reports to its study through Optuna, whose import took about 3 s a
-# trial in a rank here; a command that names that sweeper has it preloaded too (an
-# ImportError in a preload is skipped by multiprocessing: then no pruning sweep composes).
+# A pruning sweep's rank 0 reports to its study through Optuna (3 s to import in a rank here):
+# preloaded for a command naming that sweeper (skipped if missing: then that sweep won't compose).
 PRUNING_SWEEP = "hydra/sweeper=optuna_prune"
 PRUNING_PRELOAD = ["optuna"]
 # Set in this process's environment only while it starts the fork server: the server finds
@@ -37,10 +38,9 @@ SUBMITTING = ("launcher=slurm", "launcher=slurm_local")
 
 
 def _leave_without_teardown() -> None:
-    """The server's last act: it holds the launcher's stdout and stderr until it is gone (a
-    caller reading them waits for that), and tearing down an interpreter with torch and
-    matplotlib loaded takes 1.3 s here, to free memory the OS frees anyway. It writes no file
-    and flushes its streams first."""
+    """The server's last act: it holds the launcher's output streams until it is gone, and
+    tearing down an interpreter with torch and matplotlib loaded took 1.3 s here, to free memory
+    the OS frees anyway. It writes no file and flushes its streams first."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -49,16 +49,14 @@ def _leave_without_teardown() -> None:
 _launcher = os.environ.pop(_SERVER_MARK, None)  # set, in the server, to the launcher's pid
 if _launcher:
     sys.path[:] = json.loads(os.environ.pop(_LAUNCHER_PATH))
-    # The server ends the moment its launcher does, even in the middle of its imports: a
-    # command that refuses its config exits at once, and the server holding its output streams
-    # would keep a caller reading them waiting for those imports (seconds). The ranks forked
-    # later do not inherit it (they watch the launcher themselves: launcher_watch.py).
+    # The server ends the moment its launcher does, even mid-import: a refused command exits at
+    # once, and a server holding its output streams would keep a caller reading them waiting
+    # (seconds). Its children do not inherit this; they watch the launcher (launcher_watch.py).
     die_with_parent(int(_launcher))
     # Registered before the preloads import anything else: their handlers run first (atexit
     # runs in reverse order), then this one skips the interpreter's teardown.
     atexit.register(_leave_without_teardown)
-# In the fork server (imported there first, by PRELOAD): the environment its children start
-# with (launch/forked.py compares with it). Elsewhere unused.
+# In the fork server: the environment its children start with (launch/forked.py compares).
 SERVER_ENVIRON = dict(os.environ)
 
 
@@ -72,6 +70,8 @@ def warm_up(extra: list[str] | None = None) -> None:
     os.environ.update(marks)
     try:
         multiprocessing.forkserver.ensure_running()
+    except OSError as error:  # its socket lies in the temp dir, in a path of at most 107 bytes
+        end(ConfigError(f"TMPDIR={tempfile.gettempdir()}: {error}: set a shorter TMPDIR"))
     finally:
         for name in marks:
             os.environ.pop(name, None)

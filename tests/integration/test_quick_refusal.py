@@ -269,6 +269,26 @@ def test_a_mistake_with_hydras_flags_is_one_line_too(tmp_path):
     assert_refused(tmp_path, FLAG_MISTAKES)
 
 
+def test_a_temp_dir_too_long_for_the_fork_servers_socket_is_one_line(tmp_path):
+    """Python's fork server listens on a Unix socket in the temp dir, whose path may not exceed
+    107 bytes: a longer TMPDIR (a job's scratch folder) is refused in one line naming it."""
+    temp = tmp_path / ("t" * (120 - len(str(tmp_path))))
+    temp.mkdir()
+    (tmp_path / "work").mkdir()
+    answered = subprocess.run(
+        [sys.executable, "-m", "framework.cli", "trainer.max_steps=1"],
+        cwd=tmp_path / "work",
+        env=command_env(TMPDIR=str(temp)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert answered.returncode == ExitCode.CONFIG_REJECTED, answered.stderr[-3000:]
+    [line] = answered.stderr.strip().splitlines()
+    assert line.startswith(f"error: TMPDIR={temp}: ") and "shorter" in line, line
+    assert not list((tmp_path / "work").iterdir()) and not list(temp.iterdir())
+
+
 def test_a_forked_train_answers_as_a_new_interpreter_does(tmp_path):
     """The premise of trains_without_torch: a refusal and an answer, each from a new
     interpreter and from a forked child, are the same exit code and the same bytes."""
