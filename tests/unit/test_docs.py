@@ -3,14 +3,14 @@ link and every repository path they name exists.
 
 A command line runs the app: `uv run train ARGS`, `train ARGS`, `python -m framework.train ARGS`,
 `torchrun ... -m framework.train ARGS` or `launchers/torchrun.sh ARGS` (which hands ARGS to
-framework.cli, the `train` script). They are found in the shell blocks of a page (`\\`
-continuations joined, `# comments` dropped, a leading `$ ` of a transcript dropped) and in its
-inline code (`uv run train --cfg job`); leading `NAME=value` environment assignments are applied. Each is
-checked as `train` checks it before training, without training (framework/train.py's `checked`:
-the command line read, the config composed in the run mode Hydra picks, every job of a sweep,
-and checked), and each job of a sweep as the job checks it (`validate()`); where a value names
-the reader's own files (`data.root`, `checkpoint.resume`, which validate() would look for),
-only the keys are checked.
+framework.cli, the `train` script). They are found in the shell blocks of a page (`\\` continuations
+joined, `# comments` dropped, a leading `$ ` of a transcript dropped) and in its inline code
+(`uv run train --cfg job`); leading `NAME=value` environment assignments are applied. Each is
+checked as `train` checks it before training, without training (framework/train.py's `checked`: the
+command line read, the config composed in the run mode Hydra picks, every job of a sweep, and
+checked), and each job of a sweep as the job checks it (`validate()`); where a value names the
+reader's own files (`data.root`, `checkpoint.resume`, which validate() would look for), only the
+keys are checked.
 
 An HTML comment on the line before a block changes how its commands are checked:
 
