@@ -186,7 +186,7 @@ def run_pool(
             scratch,
             namespaces,
             env or {},
-            forked.launcher_context(),
+            *forked.launcher_context(),
         ),
         nprocs=nprocs,
         join=False,
@@ -223,9 +223,9 @@ def _wait_for_result(store, context, index: int, trial: Trial, nprocs: int) -> d
 
 
 def _pool_worker(
-    rank, port, nprocs, schedule, contenders, scratch, namespaces, env, launcher
+    rank, port, nprocs, schedule, contenders, scratch, namespaces, env, environ, cwd, stdio
 ) -> None:
-    forked.adopt(launcher)
+    forked.adopt(environ, cwd, stdio)
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, whatever the shell exported
     torch.set_num_threads(1)

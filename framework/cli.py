@@ -16,16 +16,17 @@ import sys
 
 from framework.core import versions
 from framework.core.exits import ConfigError, end
+from framework.core.secrets import install_traceback_scrubbing
 from framework.launch import forkserver
 
 
 def main() -> None:
-    # Python's cycle collector is off until the config has passed its checks (train.py turns
-    # it back on before the run): the imports and compositions make about a million objects,
-    # and its passes over them were 0.1 s of the 1.5 s a refused mistake took; a refusal ends
-    # the process with it off, which also skips the full collection at exit
-    # (docs/benchmarks.md).
+    # Python's cycle collector is off until the config has passed its checks (train.py turns it
+    # back on): the imports and compositions make about a million objects, and its passes over
+    # them were 0.1 s of the 1.5 s a refused mistake took; a refusal ends the process with it
+    # off, which also skips the full collection at exit (docs/benchmarks.md).
     gc.disable()
+    install_traceback_scrubbing()  # (Ctrl-C from here on ends without a traceback)
     # Read from package metadata before anything imports torch: a torch below the floor is
     # refused in one line here, not met as an AttributeError inside a rank.
     if unsupported := versions.unsupported_packages():

@@ -45,8 +45,8 @@ else
   if [[ "${RDZV_HOST:-0}" == 1 ]]; then conf="is_host=true${conf:+,$conf}"; fi
   if [[ -n "$conf" ]]; then args+=(--rdzv-conf="$conf"); fi
 fi
-# `python -m` puts the working dir ahead of everything installed, in torchrun and in each rank it
-# starts: a project's random.py would be what they import. -P (PYTHONSAFEPATH) leaves it off,
-# and framework.cli (the `train` script) appends it last.
-export PYTHONSAFEPATH=1
-exec python -m torch.distributed.run "${args[@]}" -m framework.cli "$@"
+# `python -m` puts the working dir ahead of everything installed, in torchrun and in each rank:
+# a project's own `random` would be what they import. torchrun runs with -P, which leaves it
+# off, and its ranks are the `train` script, which appends it last (framework/cli.py).
+export PYTHONUNBUFFERED=1  # (what torchrun's `-u` gives a Python rank)
+exec python -P -m torch.distributed.run "${args[@]}" --no-python train "$@"

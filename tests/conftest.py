@@ -355,15 +355,17 @@ def start_ranks(fn, args: tuple, nprocs: int = 2, join: bool = True):
     forkserver.warm_up()
     return mp.start_processes(
         _as_launched,
-        args=(forked.launcher_context(), fn, args),
+        args=(*forked.launcher_context(), fn, args),
         nprocs=nprocs,
         join=join,
         start_method=forkserver.START_METHOD,
     )
 
 
-def _as_launched(rank: int, launcher: forked.LauncherContext, fn, args: tuple) -> None:
-    forked.adopt(launcher)
+def _as_launched(
+    rank: int, environ: dict[str, str], cwd: str, stdio: list[int], fn, args: tuple
+) -> None:
+    forked.adopt(environ, cwd, stdio)
     fn(rank, *args)
 
 

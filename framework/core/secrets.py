@@ -290,8 +290,8 @@ def install_traceback_scrubbing() -> None:
         return
 
     def scrubbing_hook(kind: Any, error: Any, trace: Any) -> None:
-        text = "".join(traceback.format_exception(kind, error, trace))
-        sys.stderr.write(scrub(text))
+        if not issubclass(kind, KeyboardInterrupt):  # (Ctrl-C: Python then ends by SIGINT)
+            sys.stderr.write(scrub("".join(traceback.format_exception(kind, error, trace))))
 
     scrubbing_hook.scrubs_secrets = True  # type: ignore[attr-defined]
     sys.excepthook = scrubbing_hook

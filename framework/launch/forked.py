@@ -1,16 +1,14 @@
 """What a process forked from the fork server (launch/forkserver.py) does first: it takes over
-its launcher's environment, working dir, import path and output streams (the server's are the
-ones it started with), keeps what its starter set on top (the elastic agent's RANK, WORLD_SIZE,
-...), and from then on ends when its launcher does (launch/launcher_watch.py)."""
+its launcher's environment, working dir and output streams (the server's are the ones it started
+with), keeps what its starter set on top (the elastic agent's RANK, WORLD_SIZE, ...), and from
+then on ends when its launcher does (launch/launcher_watch.py)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import sys
-from dataclasses import dataclass
 from multiprocessing import reduction
-from typing import Any
 
 from framework.core import startup_clock
 from framework.core.heap import keep_freed_heap
@@ -33,49 +31,34 @@ def _received_fd(duplicate) -> int:
     return duplicate.detach()
 
 
-@dataclass
-class LauncherContext:
-    """What a rank takes over from the process that starts it. stdio: the launcher's stdout and
-    stderr, sent as _LaunchersFd and received as file descriptors of the rank's own."""
-
-    environ: dict[str, str]
-    cwd: str
-    path: list[str]
-    stdio: list[Any]
-
-
-def launcher_context() -> LauncherContext:
+def launcher_context() -> tuple[dict[str, str], str, list[_LaunchersFd]]:
     """What a rank takes over from the process that starts it: environment, working dir,
-    import path, stdout and stderr."""
+    stdout and stderr."""
     environ = {**os.environ, launcher_watch.LAUNCHER_PID: str(os.getpid())}
-    return LauncherContext(environ, os.getcwd(), list(sys.path), [_LaunchersFd(1), _LaunchersFd(2)])
+    return environ, os.getcwd(), [_LaunchersFd(1), _LaunchersFd(2)]
 
 
-def adopt(launcher: LauncherContext) -> None:
-    """In the rank, first thing: the launcher's environment, working dir, import path and
-    output streams, plus what was set in this process since its fork (the elastic agent's
-    variables), and a heap that keeps what a step frees (keep_freed_heap). From now on it ends
-    when the launcher does (framework/launch/launcher_watch.py)."""
-    keep_freed_heap(launcher.environ)
+def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
+    """In the rank, first thing: the launcher's environment, working dir and output streams,
+    plus what was set in this process since its fork (the elastic agent's variables), and a
+    heap that keeps what a step frees (keep_freed_heap). From now on it ends when the launcher
+    does (framework/launch/launcher_watch.py)."""
+    keep_freed_heap(environ)
     set_since_fork = {
         name: value for name, value in os.environ.items() if SERVER_ENVIRON.get(name) != value
     }
     os.environ.clear()
-    os.environ.update(launcher.environ)
+    os.environ.update(environ)
     os.environ.update(set_since_fork)
-    launcher_watch.leave_with(int(launcher.environ[launcher_watch.LAUNCHER_PID]))
+    launcher_watch.leave_with(int(environ[launcher_watch.LAUNCHER_PID]))
     # A fork server's child inherits its start method: the rank's DataLoader workers would each
     # start from a new fork server that imports torch from scratch (seconds per rank). They
     # start as in a process started directly (the platform's default: fork on Linux).
     multiprocessing.set_start_method(None, force=True)
     startup_clock.count_from_now_unless_marked()
-    os.chdir(launcher.cwd)
-    # What the launcher imports from, in its order: the fork server started without the working
-    # dir in front of everything installed (forkserver.warm_up), and the launcher may have
-    # changed its path since (the `train` script appends its working dir).
-    sys.path[:] = launcher.path
+    os.chdir(cwd)
     sys.stdout.flush()
     sys.stderr.flush()
-    for target, fd in zip((1, 2), launcher.stdio, strict=True):
+    for target, fd in zip((1, 2), stdio, strict=True):
         os.dup2(fd, target)
         os.close(fd)

@@ -2,14 +2,13 @@
 milliseconds instead of importing torch, torch._dynamo and the rest from scratch. The `train`
 script (framework/cli.py) starts it first, so its imports run while this process imports Hydra
 and composes the config. The ranks of launcher=local and launcher=torchrun are forked from it
-and take over the launcher's environment, working dir, import path and output streams
-(launch/forked.py); the launcher itself never imports the training stack.
+and take over the launcher's environment, working dir and output streams (launch/forked.py)
+and import path (multiprocessing's); the launcher itself never imports the training stack.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -30,8 +29,8 @@ PRELOAD = ["framework.launch.forkserver", "framework.launch.rank_entry", "matplo
 PRUNING_SWEEP = "hydra/sweeper=optuna_prune"
 PRUNING_PRELOAD = ["optuna"]
 # Set in this process's environment only while it starts the fork server: the server finds
-# them when it imports this module (PRELOAD), and no other process does.
-_SERVER_MARK, _LAUNCHER_PATH = "FRAMEWORK_FORK_SERVER", "FRAMEWORK_FORK_SERVER_PATH"
+# it when it imports this module (PRELOAD), and no other process does.
+_SERVER_MARK = "FRAMEWORK_FORK_SERVER"
 # Hydra's flags that print instead of running (-c: --cfg), and the launchers that submit jobs.
 PRINTING_FLAGS = ("--cfg", "--help", "-h", "--info", "--hydra-help", "-c", "--shell-", "-sc")
 SUBMITTING = ("launcher=slurm", "launcher=slurm_local")
@@ -48,10 +47,8 @@ def _leave_without_teardown() -> None:
 
 _launcher = os.environ.pop(_SERVER_MARK, None)  # set, in the server, to the launcher's pid
 if _launcher:
-    sys.path[:] = json.loads(os.environ.pop(_LAUNCHER_PATH))
-    # The server ends the moment its launcher does, even mid-import: a refused command exits at
-    # once, and a server holding its output streams would keep a caller reading them waiting
-    # (seconds). Its children do not inherit this; they watch the launcher (launcher_watch.py).
+    # The server ends the moment its launcher does, even mid-import (a refused command exits at
+    # once; the streams it holds keep a caller waiting); children watch it (launcher_watch.py).
     die_with_parent(int(_launcher))
     # Registered before the preloads import anything else: their handlers run first (atexit
     # runs in reverse order), then this one skips the interpreter's teardown.
@@ -61,16 +58,18 @@ SERVER_ENVIRON = dict(os.environ)
 
 
 def warm_up(extra: list[str] | None = None) -> None:
-    """Start the fork server now, in the background (it imports PRELOAD, and `extra`, once),
-    with this process's import path: as `python -P -c`, since `python -c` would import a
-    project's own `random` or `re` from the working dir ahead of Python's."""
+    """Start the fork server now, in the background (it imports PRELOAD, and `extra`, once):
+    as `python -P -c`, since `python -c` would import a project's own `random` or `re` from the
+    working dir ahead of what is installed (each child gets this process's path as it starts)."""
     multiprocessing.set_forkserver_preload([*PRELOAD, *(extra or [])])
-    marks = {_SERVER_MARK: str(os.getpid()), _LAUNCHER_PATH: json.dumps(sys.path)}
+    marks = {_SERVER_MARK: str(os.getpid())}
     marks.update({} if os.environ.get("PYTHONSAFEPATH") else {"PYTHONSAFEPATH": "1"})
     os.environ.update(marks)
     try:
         multiprocessing.forkserver.ensure_running()
     except OSError as error:  # its socket lies in the temp dir, in a path of at most 107 bytes
+        if "AF_UNIX path too long" not in str(error):
+            raise
         end(ConfigError(f"TMPDIR={tempfile.gettempdir()}: {error}: set a shorter TMPDIR"))
     finally:
         for name in marks:

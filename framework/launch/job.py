@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -28,9 +27,6 @@ def hydra_app(cfg: DictConfig) -> float | None:
     dir, held. Returns the objective for a sweeper."""
     here = launch_context.current()
     if isinstance(here, launch_context.SubmititTask):
-        # Started as `python -P` (launch/slurm/sweep.py): the working dir importable last, as
-        # the `train` script makes it.
-        sys.path.append(os.getcwd())
         startup_clock.count_from_this_process()
     startup_clock.mark("compose")
     hydra_cfg = HydraConfig.get()
@@ -71,7 +67,7 @@ def _run_held(
             join_sweep(cfg, RunDir(run_dir), hydra_cfg)
         OmegaConf.resolve(cfg)
         return start(how_ranks_start(cfg.launcher, here), cfg, run_dir)
-    except Rejected:
+    except (Rejected, KeyboardInterrupt):  # (Ctrl-C before any rank took it over)
         RunDir(run_dir).discard(sweep_job)
         raise
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from framework.core.exits import Rejected, WorkerFailed
+from framework.core.exits import ExitCode, Rejected, WorkerFailed
 from framework.launch import forked, forkserver
 from framework.storage.files import is_throwaway
 from framework.storage.run_dir import RunDir
@@ -36,7 +36,7 @@ def try_in_a_fork(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
     receiving, sending = context.Pipe(duplex=False)
     trial = context.Process(
         target=_trial,
-        args=(cfg, world_size, run_dir, sending, forked.launcher_context()),
+        args=(cfg, world_size, run_dir, sending, *forked.launcher_context()),
         name="trial",
     )
     trial.start()
@@ -57,12 +57,16 @@ def _trial(
     world_size: int,
     run_dir: Path,
     sending: Connection,
-    launcher: forked.LauncherContext,
+    environ: dict[str, str],
+    cwd: str,
+    stdio: list[int],
 ) -> None:
-    forked.adopt(launcher)
+    forked.adopt(environ, cwd, stdio)
     try:
         try_here(cfg, world_size, run_dir)
     except Rejected as refusal:  # a setting, or a file a setting names (init.path)
         sending.send(refusal)
         return
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reached it too: its launcher ends by it
+        raise SystemExit(ExitCode.INTERRUPTED) from None
     sending.send(None)

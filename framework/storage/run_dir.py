@@ -236,12 +236,13 @@ class RunDir:
             _BEGUN_EMPTY.discard(self.path.resolve())
 
     def discard(self, sweep_job: bool = False) -> None:
-        """After a rejected start: remove the run dir if this start made it (it was empty when
-        the start began) and it holds no checkpoint, then the folders Hydra made for it while they
-        are empty. Any other dir keeps everything (a refused resume, a user's folder); a sweep's
-        dir and its parents stay (the sweep's other jobs and summary go there)."""
+        """After a rejected or interrupted start: remove the run dir if this start made it (it
+        was empty when the start began) and nothing trained there (no checkpoint, no metrics),
+        then the folders Hydra made for it while they are empty. Any other dir keeps everything
+        (a refused resume, a user's folder); a sweep's dir and its parents stay (the sweep's
+        other jobs and summary go there)."""
         path = self.path.resolve()
-        if path not in _BEGUN_EMPTY or step_files(self.checkpoints):
+        if path not in _BEGUN_EMPTY or step_files(self.checkpoints) or self.metrics.exists():
             return
         if path in _HELD:
             self._remove_begun_dir(path, sweep_job)

@@ -281,6 +281,29 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_path):
     assert json.loads((run_dir / "checkpoints" / "step_00000008.json").read_text())["step"] == 8
 
 
+def test_ctrl_c_while_train_starts_leaves_no_traceback_no_run_dir_and_no_process(tmp_path):
+    """A terminal's Ctrl-C (the whole process group) as the run's parts are tried, before any
+    rank starts (FRAMEWORK_TEST_FAULT step 0: as the model is built): nothing was trained, so
+    the run dir this start made goes, and the command ends as Python ends on Ctrl-C (by SIGINT:
+    130 in a shell, and a shell loop stops)."""
+    run_dir = tmp_path / "outputs" / "run"
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    env[FAULT_ENV] = "group-SIGINT:0:0"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "framework.cli", *FAULTS, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == -signal.SIGINT, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert not (tmp_path / "outputs").exists()
+    assert_no_process_left_within(5, tmp_path)
+
+
 def snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
 

@@ -39,7 +39,7 @@ def launch_local(cfg: DictConfig, run_dir: Path, nproc: int) -> None:
         ranks = [
             context.Process(
                 target=_local_worker,
-                args=(rank, cfg, run_dir, store.port, nproc, forked.launcher_context()),
+                args=(rank, cfg, run_dir, store.port, nproc, *forked.launcher_context()),
                 name=f"rank {rank}",
             )
             for rank in range(nproc)
@@ -107,9 +107,11 @@ def _local_worker(
     run_dir: Path,
     port: int,
     nproc: int,
-    launcher: forked.LauncherContext,
+    environ: dict[str, str],
+    cwd: str,
+    stdio: list[int],
 ) -> None:
-    forked.adopt(launcher)
+    forked.adopt(environ, cwd, stdio)
     startup_clock.mark("start ranks")
     # Imported in the rank (the fork server has them loaded): the launcher never imports torch.
     import torch.distributed as dist

@@ -14,10 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -221,10 +219,6 @@ def _executor(launcher: Any) -> Any:
         if "max_num_timeout" in params
         else {}
     )
-    # Each task's Python: `python -u -m` would put the working dir (the submitting command's)
-    # ahead of everything installed, so a project's own `random` would be what the ranks import;
-    # -P puts nothing there, and the task appends it last (framework/launch/job.py).
-    init[f"{name}_python"] = f"{shlex.quote(sys.executable)} -P"
     executor = submitit.AutoExecutor(folder=folder, cluster=name, **init)
     shared = set(OmegaConf.structured(BaseQueueConf).keys())
     executor.update_parameters(

@@ -67,7 +67,7 @@ def launch_elastic(cfg: DictConfig, run_dir: Path) -> None:
     config = launch_config(cfg, run_dir, agent_logs)
     try:
         forkserver.warm_up()  # (already running when `train` started it)
-        elastic_launch(config, _elastic_worker)(cfg, run_dir, forked.launcher_context())
+        elastic_launch(config, _elastic_worker)(cfg, run_dir, *forked.launcher_context())
     except ChildFailedError as error:
         codes = [0] * (launcher.nproc_per_node * max_nodes)
         for rank, failure in error.failures.items():
@@ -132,8 +132,10 @@ def rendezvous_settings(launcher: DictConfig, max_nodes: int) -> dict[str, Any]:
     return settings
 
 
-def _elastic_worker(cfg: DictConfig, run_dir: Path, launcher: forked.LauncherContext) -> None:
-    forked.adopt(launcher)
+def _elastic_worker(
+    cfg: DictConfig, run_dir: Path, environ: dict[str, str], cwd: str, stdio: list[int]
+) -> None:
+    forked.adopt(environ, cwd, stdio)
     here = launch_context.current()
     if here.restarted():  # the launcher's marks are those of the first round
         startup_clock.count_from_now()
