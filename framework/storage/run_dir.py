@@ -242,7 +242,7 @@ class RunDir:
         (a refused resume, a user's folder); a sweep's dir and its parents stay (the sweep's
         other jobs and summary go there)."""
         path = self.path.resolve()
-        if path not in _BEGUN_EMPTY or step_files(self.checkpoints) or self.metrics.exists():
+        if path not in _BEGUN_EMPTY or step_files(self.checkpoints) or self._metrics_logged():
             return
         if path in _HELD:
             self._remove_begun_dir(path, sweep_job)
@@ -255,6 +255,10 @@ class RunDir:
             self._remove_begun_dir(path, sweep_job)
         finally:
             self.release()
+
+    def _metrics_logged(self) -> bool:
+        """A step was trained here (a refused start may have opened the file, empty)."""
+        return self.metrics.exists() and self.metrics.stat().st_size > 0
 
     def _remove_begun_dir(self, path: Path, sweep_job: bool) -> None:
         if path == Path.cwd().resolve():  # an empty working dir the user ran in: empty it again
