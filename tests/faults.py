@@ -47,7 +47,7 @@ class _Faults:
         on_meta = any(parameter.is_meta for parameter in self.parameters())
         self.fault = None if on_meta else os.environ.get(FAULT_ENV)
         self.calls = 0
-        if self.fault and self.fault.endswith(":0:0"):  # step 0: as the model is built
+        if self.fault and self.fault.split(":")[2] == "0":  # step 0: as the model is built
             _act(self.fault.split(":")[0])
 
     def _fault_due(self) -> str | None:

@@ -262,20 +262,28 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_saving_it(cli, 
     assert max(e["step"] for e in read_metrics(run_dir)) == 5
 
 
-def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_path):
-    run_dir = tmp_path / "run"
+def _train_in_a_session_of_its_own(fault: str, run_dir: Path, cwd: Path) -> tuple[int, str]:
+    """`train` of the fault experiment with FRAMEWORK_TEST_FAULT=fault, in a process group of
+    its own (a group-* fault signals it like a terminal): exit code and stderr."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
-    env[FAULT_ENV] = "group-SIGINT:0:7"  # like a terminal: the launcher and every rank get it
+    env[FAULT_ENV] = fault
     process = subprocess.Popen(
         [sys.executable, "-m", "framework.cli", *FAULTS, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
+        cwd=cwd,
         env=env,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == INTERRUPTED, stderr[-3000:]
+    return process.returncode, stderr
+
+
+def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    # Like a terminal: the launcher and every rank get it.
+    returncode, stderr = _train_in_a_session_of_its_own("group-SIGINT:0:7", run_dir, tmp_path)
+    assert returncode == INTERRUPTED, stderr[-3000:]
     assert "stopped on SIGINT at step 8" in stderr
     assert "Traceback" not in stderr and "destroy_process_group" not in stderr
     assert json.loads((run_dir / "checkpoints" / "step_00000008.json").read_text())["step"] == 8
@@ -287,18 +295,8 @@ def test_ctrl_c_while_train_starts_leaves_no_traceback_no_run_dir_and_no_process
     the run dir this start made goes, and the command ends as Python ends on Ctrl-C (by SIGINT:
     130 in a shell, and a shell loop stops)."""
     run_dir = tmp_path / "outputs" / "run"
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
-    env[FAULT_ENV] = "group-SIGINT:0:0"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "framework.cli", *FAULTS, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == -signal.SIGINT, stderr[-3000:]
+    returncode, stderr = _train_in_a_session_of_its_own("group-SIGINT:0:0", run_dir, tmp_path)
+    assert returncode == -signal.SIGINT, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     assert not (tmp_path / "outputs").exists()
     assert_no_process_left_within(5, tmp_path)
