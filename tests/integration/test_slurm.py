@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DIST_ENV_VARS, FAULTS, read_metrics, train_losses, unavailable
+from tests.conftest import (
+    DIST_ENV_VARS,
+    FAULTS,
+    SHADOWING_MODULE,
+    plant_shadowing_modules,
+    read_metrics,
+    train_losses,
+    unavailable,
+)
 from tests.faults import FAULT_ENV, GATE_ENV, assert_same_weights, final_weights
 from tests.integration.test_sweeps import TINY_CLI, summary_rows, sweep_dir
 
@@ -104,6 +112,7 @@ def test_a_two_job_sweep_comes_back_from_requeue_and_preemption_and_fails_a_job_
         _, stderr = sweep_process.communicate(timeout=300)
     assert sweep_process.returncode == 1, stderr[-3000:]
     assert "timed-out too many times" in stderr and "Traceback" not in stderr
+    assert SHADOWING_MODULE not in stderr
     rows = summary_rows(sweep)
     assert [(row["job"], row["status"]) for row in rows] == [("0", "completed"), ("1", "failed")]
     assert "stopped on SIGUSR2 at step" in rows[1]["error"]
@@ -175,15 +184,17 @@ def _startups_of(task_logs: Path) -> list[tuple[float, float]]:
 @contextlib.contextmanager
 def _sweep_in_background(tmp_path: Path, *overrides: str, env: dict[str, str | None]):
     """`train` with launcher=slurm and the fault experiment, running while the test acts on its
-    job. Yields the process and the sweep dir once job 0's dir exists; never leaves the
+    job, in a folder holding a project's re.py, numbers.py and random.py (which no task may
+    import). Yields the process and the sweep dir once job 0's dir exists; never leaves the
     process or the SLURM job behind."""
+    plant_shadowing_modules(tmp_path)
     full_env = {name: value for name, value in os.environ.items() if name not in DIST_ENV_VARS}
     for name, value in env.items():
         if value is None:
             full_env.pop(name, None)
         else:
             full_env[name] = value
-    command = [sys.executable, "-m", "framework.train", *SLURM, *FAULTS, *overrides]
+    command = [str(Path(sys.executable).parent / "train"), *SLURM, *FAULTS, *overrides]
     process = subprocess.Popen(
         command,
         cwd=tmp_path,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,12 @@ import submitit
 import yaml
 
 from framework.launch.slurm.sweep import Watch
-from tests.conftest import read_metrics, train_losses
+from tests.conftest import (
+    SHADOWING_MODULE,
+    plant_shadowing_modules,
+    read_metrics,
+    train_losses,
+)
 from tests.integration.test_faults import processes_mentioning
 from tests.integration.test_quick_refusal import train_without_torch
 
@@ -146,13 +152,41 @@ def test_what_a_refusing_rank_says_reaches_the_summary(cli, tmp_path):
     assert "task=autoencoder: the model returns float32 [32, 10]" in row["error"], row
 
 
-def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_values(cli, tmp_path):
+OWN_CALLBACK = """from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+
+class Mark(Callback):
+    def on_job_end(self, config, job_return, **kwargs):
+        Path(config.hydra.runtime.output_dir, "own_callback_ran").touch()
+"""
+OWN_CALLBACK_EXPERIMENT = """# @package _global_
+allowed_targets: [own_callback]
+hydra:
+  callbacks:
+    mark:
+      _target_: own_callback.Mark
+"""
+
+
+def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_values(
+    cli, tmp_path, monkeypatch
+):
     """Each rank is its own submitit task and composes the config itself; the run uses rank
     0's, and the end-of-run check (runner.check_replicas_agree) fails a job whose ranks
-    trained with different values."""
+    trained with different values. Started in a project's folder: its re.py, numbers.py and
+    random.py are not what submitit's controller and tasks import, while its own Hydra callback
+    (unpickled by each task) is."""
+    plant_shadowing_modules(tmp_path)
+    (tmp_path / "own_callback.py").write_text(OWN_CALLBACK)
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "own_callback.yaml").write_text(OWN_CALLBACK_EXPERIMENT)
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])  # as the console script does
     result = cli(
         "-m",
         "launcher=slurm_local",
+        "experiment=own_callback",
         "hydra/sweeper=optuna",
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.n_jobs=2",
@@ -177,6 +211,8 @@ def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_value
         assert read_metrics(job)[0]["lr"] == pytest.approx(trial_lr)
         assert json.loads((job / "summary.json").read_text())["world_size"] == 2
     assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == 4  # 2 jobs x 2 tasks (ranks)
+    assert SHADOWING_MODULE not in result.stderr
+    assert all((sweep / row["run_dir"] / "own_callback_ran").exists() for row in rows)
     # The app returned the objective (val/accuracy) to optuna.
     assert best["best_value"] == pytest.approx(max(float(row["val/accuracy"]) for row in rows))
 

@@ -14,9 +14,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +66,8 @@ def submit_and_wait(launcher: Any, job_overrides: Any, initial_job_idx: int) -> 
         )
     submitted_at = time.time()
     try:
-        jobs = _executor(launcher).map_array(launcher, *zip(*arguments, strict=True))
+        with _started_without_the_working_dir():
+            jobs = _executor(launcher).map_array(InTask(launcher), *zip(*arguments, strict=True))
     except Exception as error:  # noqa: BLE001 (sbatch's refusal, as one message)
         raise JobFailed(f"{launcher._EXECUTOR}: the jobs were not submitted: {error}") from None
     for job, (overrides, *_rest) in zip(jobs, arguments, strict=True):
@@ -205,6 +209,46 @@ def _process_tree(root: int) -> list[int]:
     for pid in tree:
         tree.extend(children.get(pid, []))
     return tree
+
+
+@contextlib.contextmanager
+def _started_without_the_working_dir() -> Iterator[None]:
+    """The jobs submitted meanwhile inherit PYTHONSAFEPATH (sbatch and submitit's local
+    controller pass this environment on): their `python -m` takes nothing from the working dir
+    ahead of what is installed (a project's own `random` or `re`); InTask puts it last."""
+    if os.environ.get("PYTHONSAFEPATH"):
+        yield
+        return
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["PYTHONSAFEPATH"]
+
+
+class InTask:
+    """What each task runs: the launcher, pickled apart, so that unpickling this object puts the
+    working dir last on the task's path before the launcher's state (a project's own Hydra
+    callbacks) loads."""
+
+    def __init__(self, launcher: Any) -> None:
+        import cloudpickle  # (submitit's own pickler)
+
+        self.pickled_launcher = cloudpickle.dumps(launcher)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())
+        self.__dict__.update(state)
+
+    def __call__(self, *args: Any) -> Any:
+        return pickle.loads(self.pickled_launcher)(*args)
+
+    def checkpoint(self, *args: Any) -> Any:
+        """submitit's requeue (as hydra-submitit-launcher's): this call again, as it was."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, *args)
 
 
 def _executor(launcher: Any) -> Any:
