@@ -94,10 +94,14 @@ def external_torchrun(*args: str, cwd: Path, env: dict | None = None):
 
 
 def test_torchrun_gives_one_run_dir_and_the_same_losses_as_the_local_launcher(cli, tmp_path):
-    torchrun = external_torchrun(*QUICK, cwd=tmp_path / ".." / tmp_path.name)
+    temp = tmp_path / "tmp"  # (its own: another test's torchrun may hold one in /tmp now)
+    temp.mkdir()
+    torchrun = external_torchrun(
+        *QUICK, cwd=tmp_path / ".." / tmp_path.name, env={"TMPDIR": str(temp)}
+    )
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     [torchrun_dir] = run_dirs(tmp_path)  # one dir although both ranks entered the Hydra app
-    assert not list(Path("/tmp").glob("framework-rank*"))  # rank 1's throwaway dir is gone
+    assert not list(temp.glob("framework-rank*"))  # rank 1's throwaway dir is gone
 
     local = tmp_path / "local"
     result = cli(*QUICK, f"hydra.run.dir={local}", cwd=tmp_path)
