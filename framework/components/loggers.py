@@ -80,13 +80,14 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _temp_folder_of_this_process() -> Iterator[None]:
+def _temp_folder_in(run: RunDir) -> Iterator[None]:
     """W&B makes temp folders as it is imported and leaves their removal to the interpreter's
-    shutdown, which a rank skips (exit_now): they go in one removed as the process leaves."""
+    shutdown, which a rank skips (exit_now): they go in one of the run dir's, removed as the
+    process leaves (core/leaving.py), so nothing of the run is written outside its dir."""
     if "wandb" in sys.modules:  # (imported before: its folders exist)
         yield
         return
-    folder = tempfile.mkdtemp(prefix="framework-wandb-")
+    folder = tempfile.mkdtemp(prefix=".wandb-temp-", dir=run.path)
     when_leaving(functools.partial(shutil.rmtree, folder, ignore_errors=True))
     before, tempfile.tempdir = tempfile.tempdir, folder
     try:
@@ -174,10 +175,9 @@ class WandbSink(_Guarded):
         resume_id: str | None = None,
         resume_step: int = 0,
     ) -> None:
-        with _temp_folder_of_this_process():
-            import wandb  # imported here: costs ~1 s and only rank 0 with logger=wandb needs it
-
         run = _run_dir(run)
+        with _temp_folder_in(run):
+            import wandb  # imported here: costs ~1 s and only rank 0 with logger=wandb needs it
 
         # W&B stores sys.argv in the run's metadata. main() hides secret overrides; should a
         # known secret still be in argv (another entry point), the metadata is left out.

@@ -1,4 +1,4 @@
-"""What a process does as it leaves: at shutdown, or before a rank's os._exit (exit_now)."""
+"""What a process does as it leaves: at shutdown, in exit_now, or as multiprocessing ends it."""
 
 import atexit
 from collections.abc import Callable

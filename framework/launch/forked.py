@@ -6,12 +6,14 @@ then on ends when its launcher does (launch/launcher_watch.py)."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import sys
 from multiprocessing import reduction
 
 from framework.core import startup_clock
 from framework.core.heap import keep_freed_heap
+from framework.core.leaving import run_leaving_tasks
 from framework.launch import launcher_watch
 from framework.launch.forkserver import SERVER_ENVIRON
 
@@ -51,6 +53,9 @@ def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
     os.environ.update(environ)
     os.environ.update(set_since_fork)
     launcher_watch.leave_with(int(environ[launcher_watch.LAUNCHER_PID]))
+    # multiprocessing ends this process without the interpreter's shutdown: what it was to do
+    # as it leaves (core/leaving.py: W&B's temp folders) runs as multiprocessing ends it.
+    multiprocessing.util.Finalize(None, run_leaving_tasks, exitpriority=0)
     # A fork server's child inherits its start method: the rank's DataLoader workers would each
     # start from a new fork server that imports torch from scratch (seconds per rank). They
     # start as in a process started directly (the platform's default: fork on Linux).

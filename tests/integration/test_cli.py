@@ -141,6 +141,9 @@ def test_wandb_offline_makes_exactly_one_run_with_the_metrics(cli, tmp_path):
     [history] = list(offline_runs[0].glob("*.wandb"))
     assert history.stat().st_size > 0
     assert read_metrics(run_dir)[-1]["val/accuracy"] > 0
+    # W&B's temp folders (made in the run dir as rank 0 imports it) are gone with the rank,
+    # which multiprocessing ends without the interpreter's shutdown.
+    assert not list(run_dir.glob(".wandb-temp-*"))
 
 
 def test_multirun_sweep_runs_each_job_in_its_own_dir(cli, tmp_path):

@@ -108,10 +108,11 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_and_the_same_comma
     temp = Path(tempfile.mkdtemp(prefix="faults-"))  # (short: it holds the fork server's socket)
     env = {"WANDB_MODE": "offline", FAULT_ENV: "parent-SIGTERM:0:9", "TMPDIR": str(temp)}
     stopped = run_cli(*args, cwd=tmp_path, env=env)
-    # W&B's folders, made as rank 0 imports it (torchinductor_<user>: torch's cache, kept)
+    # W&B's folders, made in the run dir as rank 0 imports it, none in the temp folder
+    # (torchinductor_<user>: torch's cache, kept)
     left_in_temp = [p.name for p in temp.iterdir() if "wandb" in p.name]
     shutil.rmtree(temp)
-    assert not left_in_temp
+    assert not left_in_temp and not list((tmp_path / "run").glob(".wandb-temp-*"))
     assert stopped.returncode == STOPPED, stopped.stderr[-3000:]
     assert "stopped on SIGTERM at step 10" in stopped.stderr  # learned a step later
     assert f"hydra.run.dir={tmp_path / 'run'}" in stopped.stderr  # how to continue
