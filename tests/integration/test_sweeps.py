@@ -152,14 +152,16 @@ def test_what_a_refusing_rank_says_reaches_the_summary(cli, tmp_path):
     assert "task=autoencoder: the model returns float32 [32, 10]" in row["error"], row
 
 
-OWN_CALLBACK = """from pathlib import Path
+OWN_CALLBACK = """import os
+from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
 
 class Mark(Callback):
     def on_job_end(self, config, job_return, **kwargs):
-        Path(config.hydra.runtime.output_dir, "own_callback_ran").touch()
+        mark = Path(config.hydra.runtime.output_dir, "own_callback_ran")
+        mark.write_text(os.environ.get("PYTHONSAFEPATH", "unset"))
 """
 OWN_CALLBACK_EXPERIMENT = """# @package _global_
 allowed_targets: [own_callback]
@@ -195,6 +197,7 @@ def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_value
         "optimizer.lr=interval(0.01,0.3)",
         *TINY_CLI,
         cwd=tmp_path,
+        env={"PYTHONSAFEPATH": None},  # (the user's own: none)
         timeout=300,
     )
     # Every rank's task has left with the sweep: rank 0's result ended the wait, and its
@@ -212,7 +215,9 @@ def test_optuna_trials_run_as_submitit_jobs_whose_ranks_all_use_the_trials_value
         assert json.loads((job / "summary.json").read_text())["world_size"] == 2
     assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == 4  # 2 jobs x 2 tasks (ranks)
     assert SHADOWING_MODULE not in result.stderr
-    assert all((sweep / row["run_dir"] / "own_callback_ran").exists() for row in rows)
+    # Each task ran the project's callback, in the environment the user gave `train`.
+    marks = [(sweep / row["run_dir"] / "own_callback_ran").read_text() for row in rows]
+    assert marks == ["unset", "unset"]
     # The app returned the objective (val/accuracy) to optuna.
     assert best["best_value"] == pytest.approx(max(float(row["val/accuracy"]) for row in rows))
 

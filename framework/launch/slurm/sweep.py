@@ -66,8 +66,9 @@ def submit_and_wait(launcher: Any, job_overrides: Any, initial_job_idx: int) -> 
         )
     submitted_at = time.time()
     try:
-        with _started_without_the_working_dir():
-            jobs = _executor(launcher).map_array(InTask(launcher), *zip(*arguments, strict=True))
+        with _started_without_the_working_dir() as set_here:
+            task = InTask(launcher, unset_safe_path=set_here)
+            jobs = _executor(launcher).map_array(task, *zip(*arguments, strict=True))
     except Exception as error:  # noqa: BLE001 (sbatch's refusal, as one message)
         raise JobFailed(f"{launcher._EXECUTOR}: the jobs were not submitted: {error}") from None
     for job, (overrides, *_rest) in zip(jobs, arguments, strict=True):
@@ -212,16 +213,17 @@ def _process_tree(root: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _started_without_the_working_dir() -> Iterator[None]:
+def _started_without_the_working_dir() -> Iterator[bool]:
     """The jobs submitted meanwhile inherit PYTHONSAFEPATH (sbatch and submitit's local
     controller pass this environment on): their `python -m` takes nothing from the working dir
-    ahead of what is installed (a project's own `random` or `re`); InTask puts it last."""
+    ahead of what is installed (a project's own `random` or `re`); InTask puts it last. Yields
+    whether it set the variable (not where the user had)."""
     if os.environ.get("PYTHONSAFEPATH"):
-        yield
+        yield False
         return
     os.environ["PYTHONSAFEPATH"] = "1"
     try:
-        yield
+        yield True
     finally:
         del os.environ["PYTHONSAFEPATH"]
 
@@ -231,14 +233,17 @@ class InTask:
     working dir last on the task's path before the launcher's state (a project's own Hydra
     callbacks) loads."""
 
-    def __init__(self, launcher: Any) -> None:
+    def __init__(self, launcher: Any, unset_safe_path: bool) -> None:
         import cloudpickle  # (submitit's own pickler)
 
         self.pickled_launcher = cloudpickle.dumps(launcher)
+        self.unset_safe_path = unset_safe_path
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if os.getcwd() not in sys.path:
             sys.path.append(os.getcwd())
+        if state["unset_safe_path"]:  # the task's own children get the user's environment
+            os.environ.pop("PYTHONSAFEPATH", None)
         self.__dict__.update(state)
 
     def __call__(self, *args: Any) -> Any:
