@@ -82,8 +82,8 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
 @contextlib.contextmanager
 def _temp_folder_in(run: RunDir) -> Iterator[None]:
     """W&B makes temp folders as it is imported and leaves their removal to the interpreter's
-    shutdown, which a rank skips (exit_now): they go in one of the run dir's, removed as the
-    process leaves (core/leaving.py), so nothing of the run is written outside its dir."""
+    shutdown, which a rank skips (exit_now): they go in one of the run dir's (not the temp
+    folder), removed as the process leaves (core/leaving.py)."""
     if "wandb" in sys.modules:  # (imported before: its folders exist)
         yield
         return

@@ -131,6 +131,7 @@ def test_wandb_offline_makes_exactly_one_run_with_the_metrics(cli, tmp_path):
         "WANDB_API_KEY": None,
         "NETRC": str(tmp_path / "no-netrc"),
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+        "CUDA_VISIBLE_DEVICES": "",  # 2 forked CPU ranks on any machine (not 1, in this process)
     }
     run_dir = tmp_path / "run"
     result = cli(*QUICK, "logger=wandb", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)

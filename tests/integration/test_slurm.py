@@ -112,7 +112,7 @@ def test_a_two_job_sweep_comes_back_from_requeue_and_preemption_and_fails_a_job_
         _, stderr = sweep_process.communicate(timeout=300)
     assert sweep_process.returncode == 1, stderr[-3000:]
     assert "timed-out too many times" in stderr and "Traceback" not in stderr
-    assert SHADOWING_MODULE not in stderr
+    assert SHADOWING_MODULE not in stderr + _task_logs(sweep)
     rows = summary_rows(sweep)
     assert [(row["job"], row["status"]) for row in rows] == [("0", "completed"), ("1", "failed")]
     assert "stopped on SIGUSR2 at step" in rows[1]["error"]
@@ -238,6 +238,10 @@ def _wait_until(condition, what: str, process: subprocess.Popen, timeout: float)
             )
             raise AssertionError(f"{what}: not after {timeout} s. squeue:\n{queue.stdout}")
         time.sleep(0.2)
+
+
+def _task_logs(sweep: Path) -> str:
+    return "".join(path.read_text() for path in sweep.glob(".submitit/*/*_log.err"))
 
 
 def _rank0_log(sweep: Path, job: int) -> str:

@@ -218,14 +218,17 @@ def _started_without_the_working_dir() -> Iterator[bool]:
     controller pass this environment on): their `python -m` takes nothing from the working dir
     ahead of what is installed (a project's own `random` or `re`); InTask puts it last. Yields
     whether it set the variable (not where the user had)."""
-    if os.environ.get("PYTHONSAFEPATH"):
+    before = os.environ.get("PYTHONSAFEPATH")
+    if before:  # (empty: unset, to Python)
         yield False
         return
     os.environ["PYTHONSAFEPATH"] = "1"
     try:
         yield True
     finally:
-        del os.environ["PYTHONSAFEPATH"]
+        os.environ.pop("PYTHONSAFEPATH", None)
+        if before is not None:
+            os.environ["PYTHONSAFEPATH"] = before
 
 
 class InTask:
