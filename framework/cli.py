@@ -1,12 +1,8 @@
-"""`train`, the console script. It starts the fork server that local ranks are forked from
-before it imports anything heavy, so the server's imports (torch, torch._dynamo: most of
-start-up) run beside this process's own (Hydra, the launcher) instead of after them. Then it
-runs framework.train.main, which `python -m framework.train` runs directly.
-
-It first refuses a torch or torchvision older than the framework supports (core/versions.py).
-It makes the working dir importable, last (it shadows nothing installed): a project's package
-beside its own conf/ is then found by `_target_` here and in every rank, with no PYTHONPATH.
-"""
+"""`train`, the console script. It refuses a torch or torchvision older than the framework
+supports (core/versions.py), starts the fork server local ranks are forked from before anything
+heavy is imported (launch/forkserver.py), then runs framework.train.main (which `python -m
+framework.train` runs directly). The working dir is importable, last (it shadows nothing
+installed): a project's package beside its conf/ is found here and in every rank."""
 
 from __future__ import annotations
 
@@ -21,21 +17,18 @@ from framework.launch import forkserver
 
 
 def main() -> None:
-    # Python's cycle collector is off until the config has passed its checks (train.py turns it
-    # back on): the imports and compositions make about a million objects, and its passes over
-    # them were 0.1 s of the 1.5 s a refused mistake took; a refusal ends the process with it
-    # off, which also skips the full collection at exit (docs/benchmarks.md).
+    # The cycle collector is off until the config has passed its checks (train.py turns it back
+    # on): its passes over the imports' and compositions' million objects were 0.1 s of a 1.5 s
+    # refusal, which then also skips the full collection at exit (docs/benchmarks.md).
     gc.disable()
     install_traceback_scrubbing()  # (Ctrl-C from here on ends without a traceback)
-    # Read from package metadata before anything imports torch: a torch below the floor is
-    # refused in one line here, not met as an AttributeError inside a rank.
+    # From package metadata, before torch loads: too old a torch is one line, not a rank error.
     if unsupported := versions.unsupported_packages():
         end(ConfigError(unsupported))
     # Last, so it shadows nothing installed; before the fork server starts, which copies the path.
     sys.path.append(os.getcwd())
     forkserver.warm_up_if_forking(sys.argv[1:])
-    # Imported here, after the fork server has started: importing it first is the cost this
-    # module exists to overlap.
+    # Imported after the fork server has started: overlapping the two is this module's point.
     from framework.train import main as train
 
     train()

@@ -1,8 +1,7 @@
 """What the sweep launchers add to Hydra's (hydra_plugins/framework_launchers mixes these in):
-each job's row in the sweep dir's summary.csv / summary.md as it ends
-(framework/app/sweep_summary.py), and, for submitit's, waiting for each job's rank 0 result
-(framework/launch/slurm/sweep.py). Hydra imports every launcher plugin at each start, a refused
-command's too: what these run is imported when a sweep is set up or launched."""
+each job's row in summary.csv / summary.md as it ends (app/sweep_summary.py), and, for
+submitit's, waiting for each job's rank 0 result (launch/slurm/sweep.py). Hydra imports every
+launcher plugin at each start: what these run is imported once a sweep is set up or launched."""
 
 from __future__ import annotations
 

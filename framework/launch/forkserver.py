@@ -1,19 +1,19 @@
 """A fork server that has imported the training stack: local ranks start from it in tens of
-milliseconds instead of importing torch, torch._dynamo and the rest from scratch. The `train`
-script (framework/cli.py) starts it first, so its imports run while this process imports Hydra
-and composes the config. The ranks of launcher=local and launcher=torchrun are forked from it
-and take over the launcher's environment, working dir and output streams (launch/forked.py)
-and import path (multiprocessing's); the launcher itself never imports the training stack.
-"""
+milliseconds instead of importing torch, torch._dynamo and the rest. `train` (cli.py) starts it
+first, so its imports overlap this process's own (Hydra) and the composition. The ranks of
+launcher=local and launcher=torchrun, forked from it, take over the launcher's environment,
+working dir, streams (forked.py) and import path; the launcher never imports the stack."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 
 from framework.core import launch_context
 from framework.core.exits import ConfigError, end
@@ -58,29 +58,37 @@ SERVER_ENVIRON = dict(os.environ)
 
 
 def warm_up(extra: list[str] | None = None) -> None:
-    """Start the fork server now, in the background (it imports PRELOAD, and `extra`, once):
-    as `python -P -c`, since `python -c` would import a project's own `random` or `re` from the
-    working dir ahead of what is installed (each child gets this process's path as it starts)."""
+    """Start the fork server now, in the background (it imports PRELOAD, and `extra`, once)."""
     multiprocessing.set_forkserver_preload([*PRELOAD, *(extra or [])])
-    marks = {_SERVER_MARK: str(os.getpid())}
-    marks.update({} if os.environ.get("PYTHONSAFEPATH") else {"PYTHONSAFEPATH": "1"})
-    os.environ.update(marks)
+    os.environ[_SERVER_MARK] = str(os.getpid())
     try:
-        multiprocessing.forkserver.ensure_running()
+        with started_without_the_working_dir():
+            multiprocessing.forkserver.ensure_running()
     except OSError as error:  # its socket lies in the temp dir, in a path of at most 107 bytes
         if "AF_UNIX path too long" not in str(error):
             raise
         end(ConfigError(f"TMPDIR={tempfile.gettempdir()}: {error}: set a shorter TMPDIR"))
     finally:
-        for name in marks:
-            os.environ.pop(name, None)
+        os.environ.pop(_SERVER_MARK, None)
+
+
+@contextlib.contextmanager
+def started_without_the_working_dir() -> Iterator[bool]:
+    """Python processes started meanwhile take nothing from the working dir first (PYTHONSAFEPATH,
+    unless the user set it; yields whether this set it): a project's `random` shadows nothing."""
+    before = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = before or "1"  # (empty: unset, to Python)
+    try:
+        yield not before
+    finally:
+        os.environ.pop("PYTHONSAFEPATH")
+        os.environ.update({} if before is None else {"PYTHONSAFEPATH": before})
 
 
 def warm_up_if_forking(argv: list[str]) -> None:
     """Start the fork server now when this command will fork local ranks from it."""
-    if isinstance(launch_context.current(), launch_context.Standalone) and will_start_local_ranks(
-        argv
-    ):
+    standalone = isinstance(launch_context.current(), launch_context.Standalone)
+    if standalone and will_start_local_ranks(argv):
         warm_up(PRUNING_PRELOAD if PRUNING_SWEEP in argv else None)
 
 

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf, open_dict
 
 from framework.core.exits import JobFailed
+from framework.launch.forkserver import started_without_the_working_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,9 @@ def submit_and_wait(launcher: Any, job_overrides: Any, initial_job_idx: int) -> 
         )
     submitted_at = time.time()
     try:
-        with _started_without_the_working_dir() as set_here:
+        # sbatch and submitit's local controller pass this environment on; InTask puts the
+        # working dir last.
+        with started_without_the_working_dir() as set_here:
             task = InTask(launcher, unset_safe_path=set_here)
             jobs = _executor(launcher).map_array(task, *zip(*arguments, strict=True))
     except Exception as error:  # noqa: BLE001 (sbatch's refusal, as one message)
@@ -210,25 +212,6 @@ def _process_tree(root: int) -> list[int]:
     for pid in tree:
         tree.extend(children.get(pid, []))
     return tree
-
-
-@contextlib.contextmanager
-def _started_without_the_working_dir() -> Iterator[bool]:
-    """The jobs submitted meanwhile inherit PYTHONSAFEPATH (sbatch and submitit's local
-    controller pass this environment on): their `python -m` takes nothing from the working dir
-    ahead of what is installed (a project's own `random` or `re`); InTask puts it last. Yields
-    whether it set the variable (not where the user had)."""
-    before = os.environ.get("PYTHONSAFEPATH")
-    if before:  # (empty: unset, to Python)
-        yield False
-        return
-    os.environ["PYTHONSAFEPATH"] = "1"
-    try:
-        yield True
-    finally:
-        os.environ.pop("PYTHONSAFEPATH", None)
-        if before is not None:
-            os.environ["PYTHONSAFEPATH"] = before
 
 
 class InTask:
