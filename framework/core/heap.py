@@ -1,5 +1,6 @@
 """glibc's malloc in a rank: keep what a step frees for the next step (speed), or give it back
-(memory), by two fixed thresholds set with `mallopt`.
+(memory), by two fixed thresholds set with `mallopt`. Python's cycle collector in a rank: the
+training stack's objects kept out of its passes.
 
 Both are left alone where the user set glibc's malloc thresholds (`MALLOC_TRIM_THRESHOLD_`,
 `MALLOC_MMAP_THRESHOLD_`, `glibc.malloc.` in `GLIBC_TUNABLES`) and where the C library has no
@@ -9,7 +10,10 @@ mallopt.
 from __future__ import annotations
 
 import ctypes
+import gc
+import importlib
 import os
+import sys
 from collections.abc import Callable, Mapping
 
 # glibc's mallopt parameters (malloc.h), and the largest mmap threshold it accepts on 64-bit.
@@ -60,3 +64,20 @@ def give_back_freed_heap() -> bool:
     mallopt(_M_MMAP_THRESHOLD, _GLIBC_DEFAULT_THRESHOLD)
     mallopt(_M_TRIM_THRESHOLD, _GLIBC_DEFAULT_THRESHOLD)
     return True
+
+
+def import_for_good(module: str) -> None:
+    """`module` and what it imports (the training stack: a million objects) live as long as this
+    process: imported with the cycle collector paused, then frozen out of its passes, which
+    walked them all (a fifth of the stack's import). Only where first imported: a later freeze
+    would keep for good what a sweep's earlier jobs left for the collector."""
+    if module in sys.modules:
+        return
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        importlib.import_module(module)
+    finally:
+        gc.freeze()
+        if collecting:
+            gc.enable()

@@ -1,13 +1,14 @@
 """A fork server that has imported the training stack: local ranks start from it in tens of
-milliseconds instead of importing torch, torch._dynamo and the rest. `train` (cli.py) starts it
-first, so its imports overlap this process's own (Hydra) and the composition. The ranks of
-launcher=local and launcher=torchrun, forked from it, take over the launcher's environment,
-working dir, streams (forked.py) and import path; the launcher never imports the stack."""
+milliseconds instead of importing torch and the rest. `train` (cli.py) starts it first, so its
+imports overlap this process's own (Hydra) and the composition. The ranks of launcher=local and
+torchrun, forked from it, take over the launcher's environment, working dir, streams (forked.py)
+and import path; the launcher never imports the stack."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -20,8 +21,7 @@ from framework.core.exits import ConfigError, end
 from framework.core.parent_death import die_with_parent
 
 START_METHOD = "forkserver"
-# What every rank needs: the per-rank wiring and everything under it (torch, torch._dynamo,
-# the tasks, models and data sets), and the plots rank 0 draws at the end. This module first:
+# What every rank needs (the per-rank wiring, all under it, rank 0's plots). This module first:
 # its copy of the server's environment is what a rank compares with (adopt).
 PRELOAD = ["framework.launch.forkserver", "framework.launch.rank_entry", "matplotlib.pyplot"]
 # A pruning sweep's rank 0 reports to its study through Optuna (3 s to import in a rank here):
@@ -37,9 +37,8 @@ SUBMITTING = ("launcher=slurm", "launcher=slurm_local")
 
 
 def _leave_without_teardown() -> None:
-    """The server's last act: it holds the launcher's output streams until it is gone, and
-    tearing down an interpreter with torch and matplotlib loaded took 1.3 s here, to free memory
-    the OS frees anyway. It writes no file and flushes its streams first."""
+    """The server's last act: it holds the launcher's streams until it is gone, and tearing down
+    an interpreter with torch loaded took 1.3 s here, to free what the OS frees anyway."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -50,6 +49,7 @@ if _launcher:
     # The server ends the moment its launcher does, even mid-import (a refused command exits at
     # once; the streams it holds keep a caller waiting); children watch it (launcher_watch.py).
     die_with_parent(int(_launcher))
+    gc.disable()  # while the preloads import (its passes were a fifth of it); forked.adopt
     # Registered before the preloads import anything else: their handlers run first (atexit
     # runs in reverse order), then this one skips the interpreter's teardown.
     atexit.register(_leave_without_teardown)

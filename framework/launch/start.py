@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from framework.config.validation import world_sizes
 from framework.core import launch_context
+from framework.core.heap import import_for_good
 from framework.core.launch_context import DistEnv, LaunchContext
 from framework.launch.trial import try_here, try_in_a_fork
 from framework.storage.run_dir import RunDir
@@ -43,6 +44,14 @@ class Start(Enum):
     TORCHRUN_AGENT = "ranks from torch's elastic agent"
     IN_PROCESS = "one rank in this process"
     LOCAL_RANKS = "ranks forked from the fork server"
+
+
+RANK_HERE = (
+    Start.EXTERNAL_TORCHRUN_RANK,
+    Start.SLURM_FOLLOWER,
+    Start.SLURM_TASK,
+    Start.IN_PROCESS,
+)
 
 
 def adopts_rank_zero_config(here: LaunchContext) -> bool:
@@ -68,6 +77,8 @@ def how_ranks_start(launcher: DictConfig, here: LaunchContext) -> Start:
 
 def start(how: Start, cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Run cfg's ranks as `how` says; returns rank 0's summary where this process has it."""
+    if how in RANK_HERE:
+        import_for_good("framework.launch.rank_entry")  # the training stack
     if how is Start.SLURM_FOLLOWER:
         from framework.launch.slurm.task import follower_rank  # a rank: imports the stack
 

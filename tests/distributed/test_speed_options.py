@@ -4,14 +4,17 @@ their fork server start and end."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import resource
 import subprocess
 import sys
+import weakref
 
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
+from framework.core import heap
 from tests.conftest import REPO, TINY, make_cfg, start_ranks, train_losses, train_many
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -86,6 +89,39 @@ def test_a_rank_keeps_what_a_step_frees_for_the_next_step_instead_of_faulting_it
     of glibc's heap got them trimmed and faulted in again, or not, by chance of the heap's
     layout: our ranks' run-to-run spread (docs/benchmarks.md)."""
     start_ranks(_page_faults_per_step_of_a_heap_step, (), nprocs=1)
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.itself = self
+
+
+def _collects_its_own_garbage_and_not_the_stacks(rank: int) -> None:
+    """In a forked rank: the server's imports frozen, the collector on for what the rank makes;
+    the same for a module imported for good here."""
+    stack_frozen = gc.get_freeze_count()
+    assert gc.isenabled(), "a rank forked from the fork server runs without its collector"
+    assert stack_frozen > 100_000, f"{stack_frozen} objects frozen: the server's imports are not"
+    cycle = _Cycle()
+    freed = weakref.ref(cycle)
+    del cycle
+    for _ in range(100):  # (allocations that start the collector's first generation's passes)
+        [[] for _ in range(1000)]
+    assert freed() is None, "a rank's cyclic garbage outlived the collector's passes"
+
+    assert not {"tabnanny", "netrc"} & set(sys.modules)  # (modules no rank imports)
+    heap.import_for_good("tabnanny")
+    assert gc.isenabled() and gc.get_freeze_count() > stack_frozen
+    gc.disable()
+    heap.import_for_good("netrc")
+    assert not gc.isenabled(), "import_for_good turned on a collector the process had off"
+
+
+def test_a_rank_collects_its_own_garbage_but_never_walks_the_training_stacks_objects():
+    """The fork server imports the stack with the collector paused; each rank freezes what it
+    inherits (forked.adopt), as a rank that imports the stack itself does (heap.import_for_good):
+    passes over those objects were a fifth of an import, and touched pages shared since the fork."""
+    start_ranks(_collects_its_own_garbage_and_not_the_stacks, (), nprocs=1)
 
 
 TEARDOWN_PROBE = """
