@@ -263,13 +263,23 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step_without_saving_it(cli, 
     assert max(e["step"] for e in read_metrics(run_dir)) == 5
 
 
+# Then runs the rest of its command line: a terminal's foreground job has SIGINT at its default,
+# where a suite started in the background inherits it ignored (and Python keeps it so).
+WITH_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 def _train_in_a_session_of_its_own(fault: str, run_dir: Path, cwd: Path) -> tuple[int, str]:
-    """`train` of the fault experiment with FRAMEWORK_TEST_FAULT=fault, in a process group of
-    its own (a group-* fault signals it like a terminal): exit code and stderr."""
+    """`train` of the fault experiment with FRAMEWORK_TEST_FAULT=fault, as a terminal's job: in a
+    process group of its own (a group-* fault signals it like a terminal), SIGINT at its
+    default. Exit code and stderr."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
     env[FAULT_ENV] = fault
+    cli = ["-m", "framework.cli", *FAULTS, f"hydra.run.dir={run_dir}"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "framework.cli", *FAULTS, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-c", WITH_DEFAULT_SIGINT, *cli],
         cwd=cwd,
         env=env,
         stderr=subprocess.PIPE,
