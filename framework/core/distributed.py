@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -59,6 +60,10 @@ def process_group(
     try:
         yield
     finally:
+        # No collection from here on: DDP's reducer sits in reference cycles, and freed once
+        # the group is gone it destroys the group holding the GIL that gloo's threads wait for
+        # (a rank hung, or aborted, at its end). The rank's process leaves soon after.
+        gc.disable()
         dist.destroy_process_group()
 
 

@@ -5,7 +5,6 @@ then on ends when its launcher does (launch/launcher_watch.py)."""
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import multiprocessing.util
 import os
@@ -47,10 +46,6 @@ def adopt(environ: dict[str, str], cwd: str, stdio: list[int]) -> None:
     heap that keeps what a step frees (keep_freed_heap). From now on it ends when the launcher
     does (framework/launch/launcher_watch.py)."""
     keep_freed_heap(environ)
-    # What the server imported lives as long as the rank: frozen out of its collections, whose
-    # passes would walk torch's objects (and copy the pages they touch, shared since the fork).
-    gc.freeze()
-    gc.enable()
     set_since_fork = {
         name: value for name, value in os.environ.items() if SERVER_ENVIRON.get(name) != value
     }

@@ -115,8 +115,9 @@ def build_and_run(
     destroy_process_group drops the group's last reference and destroys it holding the GIL,
     while gloo's thread waits for the GIL to drop the tensors of its last work: a two-rank
     `mode=eval` command would hang at its end, its work done. Training's
-    DDP sits in reference cycles, which nothing collects before a rank's process leaves; a
-    collection here would also shut down persistent DataLoader workers (15 s: three joins)."""
+    DDP sits in reference cycles, which no collection frees once the group is gone
+    (core/distributed.py, process_group); a collection here would also shut down persistent
+    DataLoader workers (15 s: three joins)."""
     parts = build_parts(cfg, env, device)
     if cfg.mode == "eval" and (initial := load_initial_weights(cfg.init, parts.model)):
         return evaluate_initial_weights(parts, eval_request(cfg, initial.source.path), run, env)

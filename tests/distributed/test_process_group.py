@@ -33,6 +33,7 @@ def _blocked_collective(rank: int, port: int, results) -> None:
     except RuntimeError as error:
         results[rank] = (time.perf_counter() - started, str(error)[:200])
     results[f"initialized_after_{rank}"] = dist.is_initialized()
+    results[f"collecting_after_{rank}"] = gc.isenabled()
 
 
 def test_a_rank_stuck_in_a_collective_fails_after_dist_timeout_s_and_the_group_is_destroyed():
@@ -43,6 +44,8 @@ def test_a_rank_stuck_in_a_collective_fails_after_dist_timeout_s_and_the_group_i
     assert 1.5 < seconds < 5.5, (seconds, message)  # the 2 s timeout, not the 10 min default
     assert results["initialized_after_0"] is False  # destroyed on the exception path
     assert results["initialized_after_1"] is False
+    # No collection once the group is gone: DDP's reducer freed then hung or aborted a rank.
+    assert results["collecting_after_0"] is False and results["collecting_after_1"] is False
 
 
 def _look_carrying_window_sums(rank: int, world_size: int) -> None:

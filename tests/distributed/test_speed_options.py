@@ -97,8 +97,10 @@ class _Cycle:
 
 
 def _collects_its_own_garbage_and_not_the_stacks(rank: int) -> None:
-    """In a forked rank: the server's imports frozen, the collector on for what the rank makes;
-    the same for a module imported for good here."""
+    """In a forked rank: the server's imports walked by no pass and frozen, the collector on for
+    what the rank makes; the same for a module imported for good here, once."""
+    young_passes = gc.get_stats()[0]["collections"]  # (the server's, inherited)
+    assert young_passes < 200, f"{young_passes} passes: the server's imports were collected"
     stack_frozen = gc.get_freeze_count()
     assert gc.isenabled(), "a rank forked from the fork server runs without its collector"
     assert stack_frozen > 100_000, f"{stack_frozen} objects frozen: the server's imports are not"
@@ -111,16 +113,19 @@ def _collects_its_own_garbage_and_not_the_stacks(rank: int) -> None:
 
     assert not {"tabnanny", "netrc"} & set(sys.modules)  # (modules no rank imports)
     heap.import_for_good("tabnanny")
-    assert gc.isenabled() and gc.get_freeze_count() > stack_frozen
+    assert gc.isenabled() and (module_frozen := gc.get_freeze_count()) > stack_frozen
+    heap.import_for_good("tabnanny")  # imported already: what lives since is not frozen
+    assert gc.get_freeze_count() == module_frozen
     gc.disable()
     heap.import_for_good("netrc")
     assert not gc.isenabled(), "import_for_good turned on a collector the process had off"
 
 
 def test_a_rank_collects_its_own_garbage_but_never_walks_the_training_stacks_objects():
-    """The fork server imports the stack with the collector paused; each rank freezes what it
-    inherits (forked.adopt), as a rank that imports the stack itself does (heap.import_for_good):
-    passes over those objects were a fifth of an import, and touched pages shared since the fork."""
+    """The fork server imports the stack with the collector paused; each process forked from it
+    freezes what it inherits (launch/forkserver.py), as a rank that imports the
+    stack itself does (heap.import_for_good): passes over those objects were a fifth of an
+    import, and touched pages shared since the fork."""
     start_ranks(_collects_its_own_garbage_and_not_the_stacks, (), nprocs=1)
 
 

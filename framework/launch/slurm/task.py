@@ -7,7 +7,6 @@ the ranks have saved. The submitting side is hydra-submitit-launcher
 from __future__ import annotations
 
 import atexit
-import gc
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -62,16 +61,12 @@ def task_rank(cfg: DictConfig, run_dir: Path) -> dict | None:
         try_here(cfg, env.world_size, run_dir)  # (refused alike on rank 0, which says it)
         # Exit 0 after a stop: a non-zero exit could make srun kill rank 0 (KillOnBadExit)
         # before it has saved and requeued. Rank 0 speaks for the job.
-        result = enter_rank(cfg, run_dir, env, stop_exit_code=0)
-        # No collection while submitit pickles the result: one there frees DDP's reducer, whose
-        # last reference to the destroyed process group joins gloo's threads holding the GIL
-        # they wait for (rank/main.py, build_and_run). A rank 1 hung so for 20 minutes.
-        gc.disable()
-        return result
+        # (No collection once its group is gone, as submitit pickles the result: one there froze
+        # a rank 1 for 20 minutes; core/distributed.py, process_group.)
+        return enter_rank(cfg, run_dir, env, stop_exit_code=0)
     try:
         try_here(cfg, env.world_size, run_dir)
         summary = enter_rank(cfg, run_dir, env, own_process=False)
-        gc.disable()  # (as above)
         # submitit still writes the JobReturn; then leave without the interpreter's shutdown
         # (launch/rank_entry.py, exit_now: gloo's threads and a last collection race there).
         atexit.register(exit_now, ExitCode.DONE)
