@@ -19,9 +19,16 @@ import optuna
 import pytest
 
 from framework.core.sweep_study import STUDY_FILE, storage_url
-from tests.conftest import DIST_ENV_VARS, FAULTS, read_metrics
+from tests.conftest import (
+    DIST_ENV_VARS,
+    FAULTS,
+    SHADOWING_MODULE,
+    plant_shadowing_modules,
+    read_metrics,
+)
 from tests.conftest import TINY as TINY_DATA
 from tests.faults import FAULT_ENV
+from tests.integration.test_faults import processes_mentioning
 
 TINY = ("model=mlp", *TINY_DATA, "trainer.eval_every=2")
 PRUNING = (
@@ -253,16 +260,49 @@ def test_a_killed_sweep_resumes_with_the_same_command(cli, tmp_path):
     assert [rows[job]["status"] for job in ("0", "1", "2")] == ["completed"] * 3
 
 
+# A project's own Hydra callback, in its own module and experiment.
+OWN_CALLBACK = """import os
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+
+class Mark(Callback):
+    def on_job_end(self, config, job_return, **kwargs):
+        mark = Path(config.hydra.runtime.output_dir, "own_callback_ran")
+        mark.write_text(os.environ.get("PYTHONSAFEPATH", "unset"))
+"""
+OWN_CALLBACK_EXPERIMENT = """# @package _global_
+allowed_targets: [own_callback]
+hydra:
+  callbacks:
+    mark:
+      _target_: own_callback.Mark
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_trials_run_in_parallel_as_submitit_jobs_each_reporting_to_the_study(cli, tmp_path):
+def test_trials_run_in_parallel_as_submitit_jobs_each_reporting_to_the_study(
+    cli, tmp_path, monkeypatch
+):
     """launcher=slurm_local: each trial's ranks are submitit tasks (rank 0's task starts its
     rank in the job's own process), both trials at once; each rank 0 reports to the one study
-    file while the other trial's does."""
+    file while the other trial's does. Each rank's task composes the config itself, and every
+    rank trains with its trial's values (runner.check_replicas_agree fails a job whose ranks
+    did not). Started in a project's folder: its re.py, numbers.py and random.py are not what
+    submitit's controller and tasks import, while its own Hydra callback (unpickled by each
+    task) is."""
+    plant_shadowing_modules(tmp_path)
+    (tmp_path / "own_callback.py").write_text(OWN_CALLBACK)
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "own_callback.yaml").write_text(OWN_CALLBACK_EXPERIMENT)
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])  # as the console script does
     sweep = tmp_path / "sweep"
     result = cli(
         *PRUNING[:-1],
         "launcher=slurm_local",
+        "experiment=own_callback",
         "hydra.sweeper.n_jobs=2",
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.median.n_startup_trials=1",
@@ -271,21 +311,28 @@ def test_trials_run_in_parallel_as_submitit_jobs_each_reporting_to_the_study(cli
         *TINY,
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
+        env={"PYTHONSAFEPATH": None},  # (the user's own: none)
     )
+    # Every rank's task has left with the sweep: rank 0's result ended the wait, and its
+    # local processes are the sweep's to end (rank 1 was still writing its result).
+    assert not processes_mentioning(str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert SHADOWING_MODULE not in result.stderr
     trials = study_trials(sweep)
     assert [t.user_attrs["job"] for t in trials] == [0, 1]
     rows = summary_rows(sweep)
     for trial in trials:
+        job = sweep / str(trial.user_attrs["job"])
         reported = sorted(trial.intermediate_values)  # by its rank 0, at each evaluation
         assert reported and reported == [2, 4, 6][: len(reported)]
-        summary = json.loads((sweep / str(trial.user_attrs["job"]) / "summary.json").read_text())
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["world_size"] == 2
+        assert read_metrics(job)[0]["lr"] == pytest.approx(trial.params["optimizer.lr"])
         if trial.state.name == "PRUNED":
             step = max(trial.intermediate_values)
-            assert (
-                summary["steps"] == step
-                and rows[str(trial.user_attrs["job"])]["status"] == "pruned"
-            )
+            assert summary["steps"] == step and rows[job.name]["status"] == "pruned"
         else:
             assert trial.state.name == "COMPLETE" and summary["steps"] == 8
+        # Each task ran the project's callback, in the environment the user gave `train`.
+        assert (job / "own_callback_ran").read_text() == "unset"
     assert len(list(sweep.glob(".submitit/*/*_result.pkl"))) == 4  # 2 trials x 2 ranks
