@@ -16,10 +16,7 @@ import submitit
 import yaml
 
 from framework.launch.slurm.sweep import Watch
-from tests.conftest import (
-    read_metrics,
-    train_losses,
-)
+from tests.conftest import read_metrics, train_losses
 from tests.integration.test_faults import processes_mentioning
 from tests.integration.test_quick_refusal import train_without_torch
 
